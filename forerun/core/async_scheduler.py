@@ -1,0 +1,41 @@
+"""The scheduler for async mode: it schedules step N+1 before step N's tokens are known."""
+
+from __future__ import annotations
+
+from forerun.core.scheduler import Scheduler
+from forerun.request import Request
+
+
+class AsyncScheduler(Scheduler):
+    """Scheduler that counts tokens in flight.
+
+    Invariants: every scheduled step that samples a kept token adds one placeholder and applying the
+    output removes the tokens actually produced (never below zero); a request is never scheduled past
+    `max_tokens` or the model length, counting its placeholders, so a length stop costs no dead token;
+    a preempted request is not resumed until its in-flight tokens have arrived.
+    """
+
+    def _num_new_tokens(self, req: Request) -> int:
+        if req.pooling:
+            return req.num_tokens - req.num_computed_tokens
+        if req.num_output_placeholders and req.num_outputs_planned >= req.max_tokens:
+            return 0  # the last allowed token is already in flight
+        return req.num_tokens_with_placeholders - req.num_computed_tokens
+
+    def _on_scheduled(self, req: Request, num_tokens: int) -> None:
+        # A step samples a kept token only when it reaches the end of the known sequence:
+        # a decode, or the last chunk of a prefill.
+        if not req.pooling and req.num_computed_tokens >= req.num_tokens_with_placeholders:
+            req.num_output_placeholders += 1
+
+    def _on_output(self, req: Request, num_tokens: int) -> None:
+        # Every step that added a placeholder returns exactly one token for the request, even when the
+        # request was preempted meanwhile; partial prefill chunks added none and return none.
+        req.num_output_placeholders = max(0, req.num_output_placeholders - num_tokens)
+
+    def _can_admit(self, req: Request) -> bool:
+        return req.num_output_placeholders == 0
+
+    def _structured_pending(self, req: Request) -> bool:
+        # The grammar cannot produce this step's bitmask until the token in flight before it is applied.
+        return req.num_output_placeholders > 1

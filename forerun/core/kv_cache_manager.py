@@ -1,0 +1,115 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookup and registration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forerun.core.block_pool import BlockPool, KVBlock, chain_hash
+from forerun.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    """Maps request ids to their blocks.
+
+    Invariants: a request's block list covers at least its `num_computed_tokens`; only full blocks of
+    committed tokens are ever hashed (in-flight tokens are unknown here); the last prompt token is never
+    served from the cache, so every admitted request computes at least one token.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _update_hashes(self, req: Request) -> None:
+        bs = self.block_size
+        tokens = req.all_token_ids
+        while (len(req.block_hashes) + 1) * bs <= len(tokens):
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of a request that has no blocks yet, and how many tokens it covers."""
+        if not self.enable_caching or req.pooling:
+            return [], 0
+        self._update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        bs = self.block_size
+        for i, h in enumerate(req.block_hashes[:max_blocks]):
+            block = self.pool.lookup(h, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queried_tokens += req.num_tokens
+        self.stats.hit_tokens += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for `num_new_tokens` after the computed ones; False (and no change) if the pool is short."""
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(needed, 0) + revived > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(computed_blocks)
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        blocks.extend(computed_blocks)
+        if computed_blocks:
+            self._num_hashed[req.request_id] = len(blocks)
+        if needed > 0:
+            blocks.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Index the request's full blocks up to `num_tokens` (committed and scheduled) in the prefix cache."""
+        if not self.enable_caching or req.pooling:
+            return
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        self._update_hashes(req)
+        full = min(num_tokens // self.block_size, len(req.block_hashes), len(blocks))
+        start = self._num_hashed.get(req.request_id, 0)
+        bs = self.block_size
+        for i in range(start, full):
+            self.pool.cache(blocks[i], req.block_hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+        if full > start:
+            self._num_hashed[req.request_id] = full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self._num_hashed.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()

@@ -1,0 +1,306 @@
+"""Phase-free scheduler: every request gets tokens under one budget each step (vLLM V1 style)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                           SchedulerOutput)
+from forerun.outputs import EngineCoreOutput
+from forerun.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    """Decides, each step, how many tokens each request computes.
+
+    Invariants: running requests come first, in admission order (FCFS), and preemption takes the most
+    recently admitted one; `num_computed_tokens` advances when a request is scheduled; a finished
+    request's blocks are back in the pool before `update_from_output` returns.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, structured: Any = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.structured = structured  # forerun.structured.manager.StructuredOutputManager or None
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self._sent_blocks: dict[str, int] = {}
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.num_dead_tokens = 0
+        self.last_dead_token_req_ids: list[str] = []
+        self.total_scheduled_tokens = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already running")
+        if req.grammar_future is not None:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> list[Request]:
+        """Abort (or error) requests now: blocks freed at once, later outputs for them ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._free(req, status)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        self._sent_blocks.pop(req.request_id, None)
+        self._finished_since_last_step.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- hooks the async scheduler overrides ---------------------------------------------------
+    def _num_new_tokens(self, req: Request) -> int:
+        return req.num_tokens - req.num_computed_tokens
+
+    def _on_scheduled(self, req: Request, num_tokens: int) -> None:
+        """Called after `num_computed_tokens` advanced for a scheduled request."""
+
+    def _can_admit(self, req: Request) -> bool:
+        return True
+
+    def _structured_pending(self, req: Request) -> bool:
+        return False
+
+    # ---- schedule ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(self._num_new_tokens(req), budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            num_scheduled[req.request_id] = n
+            self.kv.cache_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
+            budget -= n
+            i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+
+        for req in self.running:
+            n = num_scheduled.get(req.request_id)
+            if n is None:
+                continue
+            req.num_computed_tokens += n
+            self._on_scheduled(req, n)
+            if req.request_id not in {r.request_id for r in new_reqs}:
+                ids = self.kv.block_ids(req.request_id)
+                sent = self._sent_blocks.get(req.request_id, 0)
+                cached_reqs.append(CachedRequestData(req.request_id, ids[sent:], req.num_computed_tokens))
+                self._sent_blocks[req.request_id] = len(ids)
+
+        out = self._make_output(num_scheduled, new_reqs, cached_reqs, preempted)
+        return out
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
+                       new_reqs: list[NewRequestData]) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self._ready(req) or not self._can_admit(req):
+                skipped.append(self.waiting.popleft())
+                continue
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_cached
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_slots(req, n, computed_blocks):
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING and req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            self.running.append(req)
+            num_scheduled[req.request_id] = n
+            # Index the blocks now, so an identical prompt admitted later in this same step shares them.
+            self.kv.cache_blocks(req, min(num_cached + n, req.num_tokens))
+            budget -= n
+            ids = self.kv.block_ids(req.request_id)
+            self._sent_blocks[req.request_id] = len(ids)
+            sp = None if req.pooling else req.sampling_params
+            new_reqs.append(NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                                           sp, ids, num_cached))
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _ready(self, req: Request) -> bool:
+        """A request whose grammar is still compiling waits without blocking the queue."""
+        if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
+            return True
+        fut = req.grammar_future
+        if not fut.done():
+            return False
+        try:
+            req.grammar = self.structured.new_matcher(fut.result())
+        except Exception as exc:  # a spec that failed to compile ends only this request
+            logger.warning("request %s: grammar failed to compile: %s", req.request_id, exc)
+            return False
+        req.status = RequestStatus.WAITING
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        self._sent_blocks.pop(req.request_id, None)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _make_output(self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                     cached_reqs: list[CachedRequestData], preempted: set[str]) -> SchedulerOutput:
+        self.step_id += 1
+        ordered = {r.request_id: num_scheduled[r.request_id] for r in new_reqs}
+        ordered.update({c.request_id: num_scheduled[c.request_id] for c in cached_reqs})
+        structured = [rid for rid in ordered if self._samples_with_grammar(self.requests[rid])]
+        total = sum(ordered.values())
+        self.total_scheduled_tokens += total
+        out = SchedulerOutput(
+            step_id=self.step_id, new_reqs=new_reqs, cached_reqs=cached_reqs, num_scheduled_tokens=ordered,
+            total_num_scheduled_tokens=total, finished_req_ids=self._finished_since_last_step,
+            preempted_req_ids=preempted, structured_req_ids=structured,
+            pending_structured_output=any(self._structured_pending(self.requests[r]) for r in structured))
+        self._finished_since_last_step = set()
+        return out
+
+    def _samples_with_grammar(self, req: Request) -> bool:
+        return req.grammar is not None and req.num_computed_tokens >= req.num_tokens
+
+    # ---- apply a step's output -----------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        row = result.index()
+        self.last_dead_token_req_ids = []
+        for rid in sched.num_scheduled_tokens:
+            i = row.get(rid)
+            tokens = result.sampled_token_ids[i] if i is not None else []
+            req = self.requests.get(rid)
+            if req is None:  # finished or aborted while this step was in flight
+                if tokens:
+                    self.num_dead_tokens += len(tokens)
+                    self.last_dead_token_req_ids.append(rid)
+                continue
+            self._on_output(req, len(tokens))
+            if req.pooling:
+                if result.pooled and rid in result.pooled:
+                    outputs.append(self._finish_pooling(req, result.pooled[rid]))
+                continue
+            out = self._append_tokens(req, tokens, result, rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _on_output(self, req: Request, num_tokens: int) -> None:
+        """Called before a request's sampled tokens are appended."""
+
+    def _append_tokens(self, req: Request, tokens: list[int], result: ModelRunnerOutput,
+                       rid: str) -> EngineCoreOutput | None:
+        if not tokens:
+            return None
+        new: list[int] = []
+        status: RequestStatus | None = None
+        for tok in tokens:
+            req.append_output_token(tok)
+            new.append(tok)
+            if req.grammar is not None and not req.grammar.accept_tokens(rid, [tok]):
+                status = RequestStatus.FINISHED_ERROR
+                break
+            status = self._check_stop(req, tok)
+            if status is not None:
+                break
+        logprobs = result.logprobs.get(rid) if result.logprobs else None
+        if logprobs is not None:
+            logprobs = logprobs[:len(new)]
+        out = EngineCoreOutput(rid, new, logprobs, num_cached_tokens=req.num_cached_tokens)
+        if status is not None:
+            self._finish(req, status)
+            out.finish_reason = status.value
+            out.stop_reason = req.stop_reason
+            if status == RequestStatus.FINISHED_ERROR:
+                out.error = "sampled token rejected by the request's grammar"
+        else:
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+        return out
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if len(req.output_token_ids) > sp.min_tokens or sp.min_tokens == 0:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._free(req, status)
+
+    def _finish_pooling(self, req: Request, pooled: list[float]) -> EngineCoreOutput:
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(req.request_id, [], finish_reason="stop", pooled=pooled)

@@ -1,0 +1,82 @@
+"""What the scheduler hands to the executor each step, and what comes back. Small and picklable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forerun.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Full data for a request the worker does not hold: a new one or one resumed after preemption."""
+
+    request_id: str
+    token_ids: list[int]  # prompt plus any committed outputs (a resumed request)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams | None  # None for pooling
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Only what changed for a request the worker already holds."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step. `num_scheduled_tokens` is in row order: new requests first, then cached ones."""
+
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)  # the worker drops these rows
+    preempted_req_ids: set[str] = field(default_factory=set)  # dropped too; they come back as new
+    structured_req_ids: list[str] = field(default_factory=list)  # rows that need a grammar bitmask
+    pending_structured_output: bool = False  # a structured row waits for a token still in flight
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class GrammarOutput:
+    """The bitmask for the structured rows of one step (packed int32 words, one row per request id)."""
+
+    structured_req_ids: list[str]
+    bitmask: object  # torch.Tensor [len(ids), ceil(vocab/32)] int32; typed loosely so core stays torch-free
+
+
+@dataclass
+class StepTiming:
+    """Wall-clock spans measured on the worker, reported back for the step timeline."""
+
+    thread: str
+    spans: list[tuple[str, float, float]] = field(default_factory=list)  # (name, begin, end), time.perf_counter
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens per request (row order). A partial prefill chunk has an empty list."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, list[dict[int, float]]] | None = None  # per request, per new token: {token_id: logprob}
+    sampled_ranks: dict[str, list[int]] | None = None
+    pooled: dict[str, list[float]] | None = None  # pooling runner: one embedding per finished prompt
+    timing: StepTiming | None = None
+    error: str | None = None
+
+    def index(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.req_ids)}
+
+
+EMPTY_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

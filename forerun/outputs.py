@@ -1,0 +1,59 @@
+"""What users get back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineCoreOutput:
+    """New committed tokens of one request in one step (token ids only; text is the front end's job)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    pooled: list[float] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything about one prompt so far; `finished` once every completion is done."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]

@@ -1,0 +1,104 @@
+"""The life cycle of one request inside the engine core (no tensors here)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from forerun.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+
+
+@dataclass
+class EngineCoreRequest:
+    """What a front end submits to the engine core: token ids, never text. Small and picklable."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    pooling: bool = False
+
+
+class Request:
+    """Engine-core state of one request.
+
+    Invariants: `num_computed_tokens` counts tokens whose KV is (or is being) computed and advances at
+    schedule time; `num_output_placeholders` counts sampled tokens still in flight (async mode only) and is
+    never negative; `output_token_ids` holds only committed tokens, so the scheduler never hashes or
+    returns a token it has not seen.
+    """
+
+    def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
+        self.request_id = core_request.request_id
+        self.prompt_token_ids = list(core_request.prompt_token_ids)
+        self.sampling_params = core_request.sampling_params
+        self.eos_token_ids = core_request.eos_token_ids
+        self.arrival_time = core_request.arrival_time
+        self.pooling = core_request.pooling
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []
+        self.grammar: Any = None  # a structured-output matcher once compiled
+        self.grammar_future: Any = None
+        budget = max_model_len - len(self.prompt_token_ids)
+        asked = self.sampling_params.max_tokens
+        self.max_tokens = budget if asked is None else min(asked, budget)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Committed tokens: prompt plus outputs that have arrived."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_outputs_planned(self) -> int:
+        """Outputs committed plus those in flight: what max_tokens is checked against before scheduling."""
+        return len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+                f"in_flight={self.num_output_placeholders})")
