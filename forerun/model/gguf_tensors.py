@@ -1,0 +1,92 @@
+"""GGUF tensors to Hugging Face tensors: de-quantization, renaming and the q/k row order."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from gguf import GGMLQuantizationType, ReaderTensor
+from gguf.quants import dequantize
+
+# Types whose de-quantization is checked against a numpy reference in tests/test_gguf_convert.py.
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset({
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def supported_type_names() -> str:
+    """Comma-separated names of the supported tensor types, for error messages."""
+    return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+
+
+def check_tensor_type(tensor: ReaderTensor) -> None:
+    """Raise ValueError naming the tensor when its storage type cannot be de-quantized here."""
+    if tensor.tensor_type not in SUPPORTED_TYPES:
+        raise ValueError(
+            f"gguf: unsupported quant type {tensor.tensor_type.name} in tensor {tensor.name}; "
+            f"supported: {supported_type_names()}")
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    """The tensor as float32 in torch's (row-major, outermost first) shape order.
+
+    GGUF lists dimensions innermost first; the reader's `data` array already has the numpy order,
+    with quantized rows packed as bytes, so de-quantizing each row gives the torch shape.
+    """
+    check_tensor_type(tensor)
+    values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return np.ascontiguousarray(values.reshape(torch_shape), dtype=np.float32)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face Llama-family name of a GGUF tensor; ValueError for anything unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError("gguf: tensor rope_freqs.weight (Llama 3.1 style rope scaling) is not supported")
+    raise ValueError(f"gguf: tensor {gguf_name} has no Llama-family equivalent")
+
+
+def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k projection rows.
+
+    Hugging Face rotary embeddings pair dimension j with j + head_dim/2 inside each head
+    ("rotate half"); llama.cpp pairs neighbours (2j, 2j+1), so its converter interleaves the two
+    halves of every head. Row j*2 + s of a GGUF head is row s*head_dim/2 + j of the HF head.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads) != 0:
+        raise ValueError(f"gguf: {rows} q/k rows do not split into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    grouped = weight.reshape(n_heads, half, 2, *weight.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(weight.shape))

