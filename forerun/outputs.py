@@ -33,6 +33,9 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    delta_text: str = ""  # what this step added, for streaming
+    delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -23,9 +23,9 @@ class ScriptedRunner:
         for new in so.new_reqs:
             self.known[new.request_id] = len(new.token_ids)
             self.prompt[new.request_id] = new.num_prompt_tokens
-        computed = {c.request_id: c.num_computed_tokens for c in so.cached_reqs}
-        computed.update({n.request_id: n.num_computed_tokens + so.num_scheduled_tokens[n.request_id]
-                         for n in so.new_reqs})
+        before = {c.request_id: c.num_computed_tokens for c in so.cached_reqs}
+        before.update({n.request_id: n.num_computed_tokens for n in so.new_reqs})
+        computed = {rid: before[rid] + so.num_scheduled_tokens[rid] for rid in before}
         self.batches.append(dict(so.num_scheduled_tokens))
         ids, toks = [], []
         for rid, n in so.num_scheduled_tokens.items():

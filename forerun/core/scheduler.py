@@ -142,7 +142,7 @@ class Scheduler:
             if req.request_id not in {r.request_id for r in new_reqs}:
                 ids = self.kv.block_ids(req.request_id)
                 sent = self._sent_blocks.get(req.request_id, 0)
-                cached_reqs.append(CachedRequestData(req.request_id, ids[sent:], req.num_computed_tokens))
+                cached_reqs.append(CachedRequestData(req.request_id, ids[sent:], req.num_computed_tokens - n))
                 self._sent_blocks[req.request_id] = len(ids)
 
         out = self._make_output(num_scheduled, new_reqs, cached_reqs, preempted)
@@ -177,7 +177,7 @@ class Scheduler:
             self._sent_blocks[req.request_id] = len(ids)
             sp = None if req.pooling else req.sampling_params
             new_reqs.append(NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                                           sp, ids, num_cached))
+                                           sp, ids, num_cached, req.eos_token_ids))
         self.waiting.extendleft(reversed(skipped))
         return budget
 

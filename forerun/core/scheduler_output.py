@@ -16,7 +16,8 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling_params: SamplingParams | None  # None for pooling
     block_ids: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int  # before this step (prefix-cache hits)
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -25,7 +26,7 @@ class CachedRequestData:
 
     request_id: str
     new_block_ids: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int  # before this step
 
 
 @dataclass

@@ -1,0 +1,211 @@
+"""The step loop: schedule, execute, sample, apply. Sync (`step`) or one step ahead (`step_with_batch_queue`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from forerun.config import EngineConfig
+from forerun.core.async_scheduler import AsyncScheduler
+from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.scheduler import Scheduler, SchedulerConfig
+from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from forerun.engine.step_trace import StepTrace
+from forerun.executor.factory import make_executor
+from forerun.outputs import EngineCoreOutput
+from forerun.request import EngineCoreRequest, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """A step failed on the worker. `outputs` end every pending request with an error."""
+
+    def __init__(self, message: str, outputs: list[EngineCoreOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+@dataclass
+class _InFlight:
+    sched: SchedulerOutput
+    execute: Future | None
+    sample: Future | None  # None while sampling waits for a structured request's in-flight token
+
+
+class EngineCore:
+    """Owns the scheduler and the executor.
+
+    Invariants: in async mode at most two steps are in flight and they are applied in launch order;
+    the first call of `step_with_batch_queue` returns None (it fills the queue); aborts are applied
+    between steps, so an aborted request never receives an output from a later step.
+    """
+
+    def __init__(self, config: EngineConfig, model_folder: Path, structured=None) -> None:
+        config.validate()
+        self.config = config
+        self.executor = make_executor(config, model_folder)
+        info = self.executor.collective_rpc("model_info")[0]
+        self.vocab_size = info.vocab_size
+        self.max_model_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
+        if config.max_model_len and config.max_model_len > info.max_model_len:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit {info.max_model_len}")
+        num_blocks = min(self.executor.collective_rpc("determine_num_blocks", (self.max_model_len,)))
+        if num_blocks * config.block_size < self.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len %d",
+                           num_blocks * config.block_size, self.max_model_len)
+        self.executor.collective_rpc("init_kv_cache", (num_blocks, self.max_model_len))
+        self.num_blocks = num_blocks
+        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                    config.enable_chunked_prefill)
+        self.structured = structured
+        self.scheduler: Scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
+            sched_cfg, kv, structured)
+        self.async_mode = bool(config.async_scheduling)
+        self.batch_queue: deque[_InFlight] = deque()
+        self.queue_depth = 2 if self.async_mode else 1
+        self.trace: StepTrace | None = StepTrace() if config.trace else None
+        self._pending_aborts: set[str] = set()
+        self._unsent_finished: set[str] = set()
+        self._unsent_preempted: set[str] = set()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, core_req: EngineCoreRequest) -> None:
+        req = Request(core_req, self.max_model_len)
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt: {req.num_prompt_tokens} tokens leave no room for output within "
+                             f"max_model_len {self.max_model_len}")
+        sp = core_req.sampling_params
+        if sp.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs: this engine has no structured-output backend")
+            req.grammar_future = self.structured.submit(sp.structured_outputs)
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Takes effect before the next step is applied (now, in sync mode)."""
+        self._pending_aborts.update(request_ids)
+        if not self.batch_queue:
+            self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        if self._pending_aborts:
+            self.scheduler.finish_requests(self._pending_aborts, RequestStatus.FINISHED_ABORTED)
+            self._pending_aborts = set()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    def run_step(self) -> list[EngineCoreOutput]:
+        out = self.step_with_batch_queue() if self.async_mode else self.step()
+        return out or []
+
+    # ---- sync ----------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        self._apply_aborts()
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        sched = self._schedule()
+        if sched.is_empty:
+            return []
+        try:
+            self.executor.execute_model(sched)
+            result = self.executor.sample_tokens(self._grammar_output(sched))
+        except Exception as exc:
+            raise self._fail_all(exc) from exc
+        return self._update(sched, result)
+
+    # ---- async ---------------------------------------------------------------------------------
+    def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
+        launched = False
+        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.queue_depth:
+            sched = self._schedule()
+            if not sched.is_empty:
+                self.batch_queue.append(self._launch(sched))
+                launched = True
+        if launched and len(self.batch_queue) < self.queue_depth:
+            return None  # fill the queue before collecting
+        if not self.batch_queue:
+            self._apply_aborts()
+            return []
+        oldest = self.batch_queue.popleft()
+        t0 = time.perf_counter()
+        try:
+            if oldest.sample is None:
+                oldest.sample = self.executor.sample_tokens(self._grammar_output(oldest.sched), non_block=True)
+            result = oldest.sample.result()
+        except Exception as exc:
+            raise self._fail_all(exc) from exc
+        if self.trace is not None:
+            self.trace.span("wait", oldest.sched.step_id, t0)
+        self._apply_aborts()
+        outputs = self._update(oldest.sched, result)
+        if self.batch_queue and self.batch_queue[0].sample is None:
+            newer = self.batch_queue[0]  # its grammar just advanced: build its bitmask and sample
+            newer.sample = self.executor.sample_tokens(self._grammar_output(newer.sched), non_block=True)
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+        execute = self.executor.execute_model(sched, non_block=True)
+        if sched.pending_structured_output:
+            return _InFlight(sched, execute, None)
+        sample = self.executor.sample_tokens(self._grammar_output(sched), non_block=True)
+        return _InFlight(sched, execute, sample)
+
+    # ---- shared pieces -------------------------------------------------------------------------
+    def _schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        # Rows to drop must reach the worker even when this step is empty and never launched.
+        sched.finished_req_ids |= self._unsent_finished
+        sched.preempted_req_ids |= self._unsent_preempted
+        if sched.is_empty:
+            self._unsent_finished, self._unsent_preempted = sched.finished_req_ids, sched.preempted_req_ids
+        else:
+            self._unsent_finished, self._unsent_preempted = set(), set()
+        if self.trace is not None:
+            self.trace.span("schedule", sched.step_id, t0, tokens=sched.total_num_scheduled_tokens,
+                            reqs=len(sched.num_scheduled_tokens))
+        return sched
+
+    def _grammar_output(self, sched: SchedulerOutput) -> GrammarOutput | None:
+        if not sched.structured_req_ids or self.structured is None:
+            return None
+        matchers = [self.scheduler.requests[r].grammar if r in self.scheduler.requests else None
+                    for r in sched.structured_req_ids]
+        return GrammarOutput(sched.structured_req_ids, self.structured.grammar_bitmask(matchers))
+
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(sched, result)
+        if self.trace is not None:
+            if result.timing is not None:
+                for name, b, e in result.timing.spans:
+                    self.trace.span(name, sched.step_id, b, e, thread=result.timing.thread)
+            self.trace.span("update", sched.step_id, t0,
+                            dead_tokens=list(self.scheduler.last_dead_token_req_ids),
+                            finished=[o.request_id for o in outputs if o.finished])
+        return outputs
+
+    def _fail_all(self, exc: BaseException) -> EngineStepError:
+        """End every request with an error so no caller waits forever."""
+        self.batch_queue.clear()
+        ids = list(self.scheduler.requests)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        outs = [EngineCoreOutput(rid, [], finish_reason="error", error=str(exc)) for rid in ids]
+        logger.error("engine step failed: %s", exc)
+        return EngineStepError(f"engine step failed: {exc!r}", outs)
+
+    def shutdown(self) -> None:
+        self.batch_queue.clear()
+        try:
+            self.executor.collective_rpc("shutdown")
+        finally:
+            self.executor.shutdown()
+        if self.structured is not None:
+            self.structured.close()

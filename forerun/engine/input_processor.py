@@ -1,0 +1,65 @@
+"""Turns a user's prompt and sampling params into engine-core requests, rejecting bad input early."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+from forerun.engine.tokenizer import Tokenizer
+from forerun.request import EngineCoreRequest
+from forerun.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class InputProcessor:
+    """Validates and tokenizes. Every error is a ValueError naming the field at fault."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._ids = itertools.count()
+
+    def next_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams
+                ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
+        """One core request per completion (n > 1 fans out, each child with its own seed)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens is too long for max_model_len {self.max_model_len} "
+                             "(at least one output token must fit)")
+        now = time.monotonic()
+        eos = self.tokenizer.eos_token_ids
+        if params.n == 1:
+            return text, ids, [EngineCoreRequest(request_id, ids, params, eos, now)]
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = dataclasses.replace(params, n=1, seed=seed)
+            children.append(EngineCoreRequest(child_id(request_id, i), ids, child, eos, now))
+        return text, ids, children
+
+
+def child_id(parent: str, index: int) -> str:
+    return f"{parent}#{index}"

@@ -1,0 +1,105 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from forerun.config import EngineConfig
+from forerun.engine.input_processor import Prompt
+from forerun.engine.llm_engine import LLMEngine
+from forerun.outputs import RequestOutput
+from forerun.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs a batch of prompts to completion in this process.
+
+    Keyword arguments are `EngineConfig` fields (`max_model_len`, `async_scheduling`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        show_progress = kwargs.pop("show_progress", True)
+        unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: unknown engine option")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), show_progress=show_progress)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[
+            SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        items = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(items))
+        ids = []
+        try:
+            for prompt, sp in zip(items, params):
+                ids.append(self.engine.add_request(prompt, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            self._drain()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # The template already holds any BOS token: encode without adding special tokens again.
+        token_prompts: list[Prompt] = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self.generate(token_prompts, sampling_params, use_tqdm)
+        for out, text in zip(outs, prompts):
+            out.prompt = text
+        return outs
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    return list(params)

@@ -1,0 +1,93 @@
+"""A synchronous engine front end: text in, RequestOutputs out, one step per call."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from forerun.config import EngineConfig
+from forerun.engine.engine_core import EngineCore, EngineStepError
+from forerun.engine.input_processor import InputProcessor, Prompt
+from forerun.engine.output_processor import OutputProcessor
+from forerun.engine.tokenizer import Tokenizer
+from forerun.model.model_source import resolve_model
+from forerun.outputs import RequestOutput
+from forerun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def make_structured_manager(folder: Path, vocab_size: int):
+    """The xgrammar backend when installed; None otherwise (structured requests then get a clear error)."""
+    try:
+        from forerun.structured.manager import StructuredOutputManager
+    except ImportError as exc:
+        logger.info("structured outputs unavailable: %s", exc)
+        return None
+    return StructuredOutputManager(folder, vocab_size)
+
+
+class LLMEngine:
+    """Tokenizes, runs the engine core in this thread, detokenizes.
+
+    Invariant: every request added is eventually returned finished, by completion, abort or error.
+    """
+
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        config.validate()
+        self.config = config
+        self.model_folder = resolve_model(config.model, show_progress=show_progress)
+        self.tokenizer = Tokenizer.from_folder(self.model_folder)
+        structured = None
+        if config.runner == "generate":
+            structured = make_structured_manager(self.model_folder, self._vocab_size())
+        self.core = EngineCore(config, self.model_folder, structured)
+        self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.vocab_size)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    def _vocab_size(self) -> int:
+        import json
+        cfg = json.loads((self.model_folder / "config.json").read_text())
+        return int(cfg.get("vocab_size") or self.tokenizer.vocab_size)
+
+    @property
+    def trace(self):
+        return self.core.trace
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = request_id or self.inputs.next_request_id()
+        if self.outputs.has(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, ids, core_reqs = self.inputs.process(request_id, prompt, params)
+        if params.structured_outputs is not None and self.core.structured is not None:
+            self.core.structured.validate_sync(params.structured_outputs)
+        added = []
+        try:
+            for core_req in core_reqs:
+                self.core.add_request(core_req)
+                added.append(core_req.request_id)
+        except Exception:
+            self.core.abort_requests(added)
+            raise
+        self.outputs.add(request_id, text, ids, params, [r.request_id for r in core_reqs])
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.outputs.abort(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.outputs) > 0 or self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        try:
+            core_outputs = self.core.run_step()
+        except EngineStepError as exc:
+            self.outputs.process(exc.outputs)
+            raise
+        request_outputs, to_abort = self.outputs.process(core_outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return request_outputs
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,127 @@
+"""Turns engine-core token outputs into user-facing RequestOutputs: text, stop strings, n > 1."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from forerun.engine.detokenizer import IncrementalDetokenizer
+from forerun.engine.input_processor import child_id
+from forerun.engine.tokenizer import Tokenizer
+from forerun.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from forerun.sampling_params import SamplingParams
+
+
+@dataclass
+class _Completion:
+    out: CompletionOutput
+    detok: IncrementalDetokenizer
+
+
+@dataclass
+class _RequestState:
+    output: RequestOutput
+    children: dict[str, _Completion]
+    arrival: float
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Holds per-request text state.
+
+    Invariant: a RequestOutput is `finished` exactly when all its completions are; a completion stopped by a
+    stop string is reported as finished at once and its core request is returned for abort.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+            child_ids: list[str]) -> None:
+        children = {}
+        for i, cid in enumerate(child_ids):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                           params.stop or (), params.include_stop_str_in_output)
+            lp = [] if params.logprobs is not None else None
+            children[cid] = _Completion(CompletionOutput(i, "", [], lp), detok)
+            self._child_to_parent[cid] = request_id
+        out = RequestOutput(request_id, prompt, prompt_ids, [c.out for c in children.values()])
+        self._states[request_id] = _RequestState(out, children, time.monotonic())
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self._states.get(request_id)
+        return list(state.children) if state else []
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated RequestOutputs (one per touched request) and core ids to abort."""
+        touched: dict[str, RequestOutput] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for co in core_outputs:
+            parent = self._child_to_parent.get(co.request_id)
+            if parent is None:
+                continue
+            state = self._states[parent]
+            comp = state.children[co.request_id]
+            if comp.out.finished:
+                continue
+            self._apply(comp, co, to_abort)
+            if co.new_token_ids:
+                state.first_token_time = state.first_token_time or now
+                state.token_times.append(now)
+            state.output.num_cached_tokens = max(state.output.num_cached_tokens, co.num_cached_tokens)
+            touched[parent] = state.output
+        for rid, out in touched.items():
+            if all(c.finished for c in out.outputs):
+                out.finished = True
+                self._finish(rid, now)
+        return list(touched.values()), to_abort
+
+    def _apply(self, comp: _Completion, co: EngineCoreOutput, to_abort: list[str]) -> None:
+        out = comp.out
+        out.delta_token_ids = list(co.new_token_ids)
+        out.token_ids.extend(co.new_token_ids)
+        if out.logprobs is not None and co.new_logprobs:
+            out.logprobs.extend(co.new_logprobs)
+        delta = comp.detok.update(co.new_token_ids) if co.new_token_ids else ""
+        if comp.detok.stop_reason is not None:
+            out.finish_reason, out.stop_reason = "stop", comp.detok.stop_reason
+            if co.finish_reason is None:
+                to_abort.append(co.request_id)
+        elif co.finish_reason is not None:
+            delta += comp.detok.flush()
+            out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
+            out.error = co.error
+        out.delta_text = delta
+        out.text = comp.detok.text
+
+    def _finish(self, request_id: str, now: float) -> None:
+        state = self._states.pop(request_id)
+        for cid in state.children:
+            self._child_to_parent.pop(cid, None)
+        m = state.output.metrics
+        m["arrival_time"] = state.arrival
+        m["e2e"] = now - state.arrival
+        if state.first_token_time is not None:
+            m["ttft"] = state.first_token_time - state.arrival
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its core ids for the engine to abort."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return []
+        for cid in state.children:
+            self._child_to_parent.pop(cid, None)
+        return list(state.children)
+
+
+__all__ = ["OutputProcessor", "child_id"]

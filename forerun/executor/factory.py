@@ -1,0 +1,16 @@
+"""Picks the executor class for `--distributed-executor-backend`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forerun.config import EngineConfig
+from forerun.executor.base import Executor
+
+
+def make_executor(config: EngineConfig, model_folder: Path) -> Executor:
+    backend = config.distributed_executor_backend
+    if backend == "uni":
+        from forerun.executor.uni import UniExecutor
+        return UniExecutor(config, model_folder)
+    raise ValueError(f"distributed_executor_backend: {backend!r} is not available in this build yet")

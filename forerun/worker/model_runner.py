@@ -1,0 +1,185 @@
+"""Runs one step on the worker: prepare inputs from the persistent batch, forward, then sample."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from forerun.core.scheduler_output import (GrammarOutput, ModelRunnerOutput, SchedulerOutput,
+                                           StepTiming)
+from forerun.model.attention import AttentionMetadata
+from forerun.worker.input_batch import InputBatch, RowState
+from forerun.worker.sampler import Sampler
+from forerun.worker.sampling_inputs import build_sampling_metadata, grammar_bad_token_mask
+
+
+@dataclass
+class _StepInFlight:
+    """What `execute_model` leaves for `sample_tokens`: the kept rows and their logits."""
+
+    req_ids: list[str]
+    sampling_states: list[RowState]  # rows whose sampled token is kept, in logits order
+    logits: Tensor | None
+    spans: list[tuple[str, float, float]]
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the persistent batch of one rank.
+
+    Invariants: `execute_model` and `sample_tokens` alternate; the previous step's sampled ids stay in
+    `_prev_sampled` (on the device) and are scattered into the next step's input ids there, so the next
+    forward never waits for a host copy; a row of a partial prefill chunk computes no logits and draws
+    nothing from its seeded generator.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[Tensor], block_size: int, max_num_seqs: int,
+                 max_model_len: int, vocab_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        max_blocks = -(-max_model_len // block_size)
+        self.batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
+        self.sampler = Sampler()
+        self._step: _StepInFlight | None = None
+        self._prev_sampled: Tensor | None = None
+        self._prev_rows: dict[str, tuple[RowState, int]] = {}
+
+    # ---- state updates -------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.batch.remove(rid, finished=True)
+        for rid in so.preempted_req_ids:
+            self.batch.remove(rid, finished=False)
+        for new in so.new_reqs:
+            self.batch.remove(new.request_id, finished=False)  # resumed after preemption: start over
+            self.batch.add(new.request_id, new.token_ids, new.num_prompt_tokens, new.sampling_params,
+                           new.eos_token_ids,
+                           new.block_ids, new.num_computed_tokens, self.device)
+        for cached in so.cached_reqs:
+            state = self.batch.states[cached.request_id]
+            self.batch.append_blocks(state, cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- execute -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        t0 = time.perf_counter()
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            self._step = _StepInFlight([], [], None, [("prepare", t0, time.perf_counter())])
+            return
+        states = [self.batch.states[rid] for rid in req_ids]
+        input_ids, positions, attn, keep_idx, logits_idx = self._prepare(states, so)
+        t1 = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, attn)
+        logits = self.model.compute_logits(hidden[logits_idx]) if len(keep_idx) else None
+        t2 = time.perf_counter()
+        kept = [states[i] for i in keep_idx]
+        self._step = _StepInFlight(req_ids, kept, logits, [("prepare", t0, t1), ("forward", t1, t2)])
+
+    def _prepare(self, states: list[RowState], so: SchedulerOutput):
+        b = self.batch
+        n = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), np.int64, len(states))
+        start = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+        known = np.fromiter((s.num_tokens for s in states), np.int64, len(states))
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        cu = np.zeros(len(states) + 1, np.int64)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        tok_rows = np.repeat(rows, n)
+        positions = np.repeat(start - cu[:-1], n) + np.arange(total)
+        input_ids = torch.from_numpy(b.token_buf[tok_rows, positions])
+        seq_lens = start + n
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        tables = b.block_table[rows, :max_blocks]
+        slots = b.block_table[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        keep_idx = np.nonzero(seq_lens >= known)[0]  # rows that sample a token the worker keeps
+        for i, s in enumerate(states):
+            s.num_computed_tokens = int(seq_lens[i])
+        input_ids = input_ids.to(self.device)
+        self._scatter_pending(states, start, known, cu, input_ids)
+        attn = AttentionMetadata.build(n.tolist(), seq_lens.tolist(),
+                                       torch.from_numpy(tables).to(self.device),
+                                       torch.from_numpy(slots).to(self.device), self.block_size)
+        logits_idx = torch.from_numpy(cu[1:][keep_idx] - 1).to(self.device)
+        return input_ids, torch.from_numpy(positions).to(self.device), attn, keep_idx.tolist(), logits_idx
+
+    def _scatter_pending(self, states: list[RowState], start: np.ndarray, known: np.ndarray,
+                         cu: np.ndarray, input_ids: Tensor) -> None:
+        """Fill inputs whose token was sampled last step and is known only on the device."""
+        dst, src = [], []
+        for i, s in enumerate(states):
+            if s.last_pending:
+                prev = self._prev_rows.get(s.req_id)
+                if prev is None or prev[0] is not s:
+                    continue
+                dst.append(int(cu[i] + known[i] - 1 - start[i]))
+                src.append(prev[1])
+        if dst:
+            input_ids[torch.tensor(dst, device=self.device)] = \
+                self._prev_sampled[torch.tensor(src, device=self.device)]
+
+    def _flush_prev(self) -> None:
+        """Write the previous step's sampled ids into host state (token buffer, output ids)."""
+        if self._prev_sampled is None:
+            return
+        values = self._prev_sampled.tolist()
+        for rid, (state, i) in self._prev_rows.items():
+            if self.batch.states.get(rid) is state and state.last_pending:
+                tok = values[i]
+                self.batch.set_token(state, state.num_tokens - 1, tok)
+                state.output_token_ids.append(tok)
+                state.last_pending = False
+        self._prev_sampled = None
+        self._prev_rows = {}
+
+    # ---- sample --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        step = self._step
+        assert step is not None, "sample_tokens called without execute_model"
+        self._step = None
+        t0 = time.perf_counter()
+        self._flush_prev()
+        timing = StepTiming(threading.current_thread().name, list(step.spans))
+        if step.logits is None:
+            timing.spans.append(("sample", t0, time.perf_counter()))
+            return ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids], timing=timing)
+        kept = step.sampling_states
+        meta = build_sampling_metadata(self.batch, kept, self.vocab_size, self.device)
+        if grammar is not None and grammar.structured_req_ids:
+            meta.bad_token_mask = grammar_bad_token_mask(grammar, [s.req_id for s in kept],
+                                                         step.logits.shape[1], self.device)
+        out = self.sampler(step.logits, meta)
+        for i, s in enumerate(kept):
+            s.num_tokens += 1
+            s.last_pending = True
+        self._prev_sampled = out.sampled_token_ids
+        self._prev_rows = {s.req_id: (s, i) for i, s in enumerate(kept)}
+        result = self._to_output(step.req_ids, kept, out)
+        timing.spans.append(("sample", t0, time.perf_counter()))
+        result.timing = timing
+        return result
+
+    def _to_output(self, req_ids: list[str], kept: list[RowState], out) -> ModelRunnerOutput:
+        sampled = out.sampled_token_ids.tolist()
+        by_req = {s.req_id: i for i, s in enumerate(kept)}
+        tokens = [[sampled[by_req[r]]] if r in by_req else [] for r in req_ids]
+        logprobs = None
+        if out.logprobs is not None:
+            lp, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
+            logprobs = {}
+            for i, s in enumerate(kept):
+                k = s.sampling_params.logprobs
+                if k is not None:
+                    logprobs[s.req_id] = [dict(zip(ids[i][:k + 1], lp[i][:k + 1]))]
+        return ModelRunnerOutput(req_ids, tokens, logprobs=logprobs)

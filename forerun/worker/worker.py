@@ -1,0 +1,101 @@
+"""One rank: device and process-group setup, model loading, KV cache allocation, and step calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from forerun.config import EngineConfig
+from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from forerun.model.parallel import TPGroup
+from forerun.model.registry import load_model
+from forerun.platform import default_device, distributed_backend, parse_dtype
+from forerun.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+
+
+class Worker:
+    """Owns one rank's model runner. Every method is safe to call through `collective_rpc`.
+
+    Invariant: `init_kv_cache` runs once, after every rank agreed on the same block count.
+    """
+
+    def __init__(self, config: EngineConfig, model_folder: Path, rank: int = 0, world_size: int = 1,
+                 dist_init_method: str | None = None) -> None:
+        self.config = config
+        self.folder = Path(model_folder)
+        self.rank = rank
+        self.world_size = world_size
+        self.device = default_device()
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(distributed_backend(self.device), init_method=dist_init_method,
+                                    rank=rank, world_size=world_size)
+        torch.manual_seed(config.seed)
+        self.dtype = parse_dtype(config.dtype, self.device)
+        self.tp = TPGroup(rank, world_size)
+        self.model = load_model(self.folder, self.dtype, self.device, self.tp)
+        self.runner: ModelRunner | None = None
+
+    def model_info(self) -> ModelInfo:
+        cfg = json.loads((self.folder / "config.json").read_text())
+        limit = int(cfg.get("max_position_embeddings") or self.model.max_position)
+        return ModelInfo(self.model.vocab_size, limit, self.model.num_layers)
+
+    def bytes_per_block(self) -> int:
+        shape = self.model.kv_cache_shape(1, self.config.block_size)
+        return self.model.num_layers * int(torch.Size(shape).numel()) * self.dtype.itemsize
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        """Blocks this rank can hold; never more than the batch could ever use."""
+        cfg = self.config
+        per_seq = -(-max_model_len // cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        budget = int(cfg.kv_cache_memory or DEFAULT_KV_CACHE_BYTES)
+        n = budget // self.bytes_per_block()
+        return int(min(n, per_seq * cfg.max_num_seqs))
+
+    def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
+        # Zeros, not empty: padded slots are read (and weighted by 0) and must never hold NaN.
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        self.runner = ModelRunner(self.model, caches, self.config.block_size, self.config.max_num_seqs,
+                                  max_model_len, self.model.vocab_size, self.device)
+        logger.info("rank %d: KV cache of %d blocks x %d tokens", self.rank, num_blocks, self.config.block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        assert self.runner is not None
+        self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+        assert self.runner is not None
+        out = self.runner.sample_tokens(grammar_output)
+        return out if self.rank == 0 else None
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
