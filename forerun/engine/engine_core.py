@@ -33,7 +33,7 @@ class EngineStepError(RuntimeError):
 @dataclass
 class _InFlight:
     sched: SchedulerOutput
-    execute: Future | None
+    execute: Future
     sample: Future | None  # None while sampling waits for a structured request's in-flight token
 
 
@@ -136,6 +136,7 @@ class EngineCore:
         oldest = self.batch_queue.popleft()
         t0 = time.perf_counter()
         try:
+            oldest.execute.result()  # a forward that raised reports its own error, not sampling's
             if oldest.sample is None:
                 oldest.sample = self.executor.sample_tokens(self._grammar_output(oldest.sched), non_block=True)
             result = oldest.sample.result()
@@ -194,6 +195,13 @@ class EngineCore:
 
     def _fail_all(self, exc: BaseException) -> EngineStepError:
         """End every request with an error so no caller waits forever."""
+        for step in self.batch_queue:  # let the worker settle before anything new is sent
+            for fut in (step.execute, step.sample):
+                if fut is not None:
+                    try:
+                        fut.result()
+                    except Exception:
+                        pass
         self.batch_queue.clear()
         ids = list(self.scheduler.requests)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)

@@ -1,0 +1,233 @@
+"""Engine behaviour on a tiny random Llama: sampling options, stops, aborts, async bookkeeping, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from forerun import LLM, SamplingParams
+from forerun.config import EngineConfig
+from forerun.engine.llm_engine import LLMEngine
+from forerun.request import EngineCoreRequest
+
+PROMPTS = ["The quick brown fox", "In 1492, Columbus", "def fibonacci(n):", "Hello"]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request, tiny_llama_dir):
+    with LLM(model=str(tiny_llama_dir), async_scheduling=request.param, show_progress=False, trace=True) as llm:
+        yield llm
+
+
+def gen(llm, prompts, **kw):
+    return llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+
+
+def tokens(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_max_tokens_exact_and_no_extra_scheduled_tokens(llm):
+    sched = llm.engine.core.scheduler
+    before = sched.total_scheduled_tokens
+    lens = [3, 17, 1, 9]
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lens],
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == lens
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    prompt_lens = [len(o.prompt_token_ids) for o in outs]
+    # Prefix-cache hits from earlier tests skip prompt tokens, so count with the cache's help subtracted.
+    cached = sum(o.num_cached_tokens for o in outs)
+    assert sched.total_scheduled_tokens - before == sum(p + m - 1 for p, m in zip(prompt_lens, lens)) - cached
+    assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.num_blocks
+
+
+def test_seeded_sampling_reproducible_and_option_changes(llm):
+    base = dict(max_tokens=12, ignore_eos=True)
+    greedy = tokens(gen(llm, PROMPTS, temperature=0, **base))
+    seeded = dict(temperature=1.0, seed=7, **base)
+    a, b = tokens(gen(llm, PROMPTS, **seeded)), tokens(gen(llm, PROMPTS, **seeded))
+    assert a == b, "same seed, same tokens"
+    assert a != tokens(gen(llm, PROMPTS, temperature=1.0, seed=8, **base))
+    assert a != greedy
+    for option in (dict(top_k=5), dict(top_p=0.5), dict(min_p=0.3), dict(temperature=0.5)):
+        assert tokens(gen(llm, PROMPTS, **{**seeded, **option})) != a, option
+    for option in (dict(repetition_penalty=1.8), dict(presence_penalty=1.5), dict(frequency_penalty=1.5)):
+        assert tokens(gen(llm, PROMPTS, temperature=0, **option, **base)) != greedy, option
+
+
+def test_seeded_sync_and_async_agree(tiny_llama_dir):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    got = []
+    for mode in (False, True):
+        with LLM(model=str(tiny_llama_dir), async_scheduling=mode, show_progress=False,
+                 max_num_batched_tokens=8) as llm:  # chunked prefill: partial rows must not draw
+            got.append(tokens(llm.generate(PROMPTS, params, use_tqdm=False)))
+    assert got[0] == got[1]
+
+
+def test_logprobs_sync_and_async_agree(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    got = []
+    for mode in (False, True):
+        with LLM(model=str(tiny_llama_dir), async_scheduling=mode, show_progress=False) as llm:
+            got.append(llm.generate(PROMPTS, params, use_tqdm=False))
+    for a, b in zip(got[0], got[1]):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        assert len(ca.logprobs) == 8
+        for step_a, step_b, tok in zip(ca.logprobs, cb.logprobs, ca.token_ids):
+            assert tok in step_a and len(step_a) >= 3
+            assert step_a.keys() == step_b.keys()
+            for k in step_a:
+                assert step_a[k] == pytest.approx(step_b[k], rel=1e-3)
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    ref = gen(llm, ["The quick brown fox"], temperature=0, max_tokens=24, ignore_eos=True)[0].outputs[0]
+    text = ref.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), "need a visible stop string"
+    out = gen(llm, ["The quick brown fox"], temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])[0].outputs[0]
+    assert out.text == text[:text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    inc = gen(llm, ["The quick brown fox"], temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+              include_stop_str_in_output=True)[0].outputs[0]
+    assert inc.text == text[:text.index(stop) + len(stop)]
+    stop_id = ref.token_ids[5]
+    first = ref.token_ids.index(stop_id)
+    out = gen(llm, ["The quick brown fox"], temperature=0, max_tokens=24, ignore_eos=True,
+              stop_token_ids=[stop_id])[0].outputs[0]
+    assert out.token_ids == ref.token_ids[:first + 1] and out.stop_reason == stop_id
+
+
+def test_n_completions_with_seed(llm):
+    out = gen(llm, ["Hello"], n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)[0]
+    assert len(out.outputs) == 3 and [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+
+
+def test_prefix_cache_reuse_and_second_chat_turn(llm):
+    blocks = llm.engine.core.config.block_size
+    long_prompt = "word " * 70
+    first = gen(llm, [long_prompt], temperature=0, max_tokens=4)[0]
+    again = gen(llm, [long_prompt], temperature=0, max_tokens=4)[0]
+    full = (len(first.prompt_token_ids) - 1) // blocks * blocks
+    assert again.num_cached_tokens == full > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    turn1 = [{"role": "user", "content": "Tell me about the sea. " * 8}]
+    r1 = llm.chat(turn1, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    turn2 = turn1 + [{"role": "assistant", "content": r1.outputs[0].text}, {"role": "user", "content": "More."}]
+    r2 = llm.chat(turn2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert r2.num_cached_tokens >= len(r1.prompt_token_ids) // blocks * blocks
+    assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.num_blocks
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_eos_stop_dead_token(tiny_llama_dir, async_mode):
+    cfg = EngineConfig(model=str(tiny_llama_dir), async_scheduling=async_mode, trace=True)
+    engine = LLMEngine(cfg, show_progress=False)
+    try:
+        prompt = engine.tokenizer.encode("The quick brown fox")
+        ref = _drain_core(engine, [EngineCoreRequest("ref", prompt, SamplingParams(temperature=0, max_tokens=10))])
+        eos = ref["ref"][3]
+        k = ref["ref"].index(eos)
+        engine.core.trace.events.clear()
+        got = _drain_core(engine, [EngineCoreRequest("e", prompt, SamplingParams(temperature=0, max_tokens=10),
+                                                     frozenset({eos}))])
+        assert got["e"] == ref["ref"][:k + 1], "the dead token never reaches the output"
+        dead = [rid for e in engine.core.trace.events if e.name == "update" for rid in e.args["dead_tokens"]]
+        assert dead == (["e"] if async_mode else [])
+        assert engine.core.scheduler.kv.num_free_blocks == engine.core.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def _drain_core(engine, reqs):
+    for r in reqs:
+        engine.core.add_request(r)
+    got = {r.request_id: [] for r in reqs}
+    while engine.core.has_unfinished_requests():
+        for o in engine.core.run_step():
+            got[o.request_id].extend(o.new_token_ids)
+    return got
+
+
+def test_first_async_step_returns_nothing(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), async_scheduling=True), show_progress=False)
+    try:
+        engine.core.add_request(EngineCoreRequest("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3)))
+        assert engine.core.step_with_batch_queue() is None
+        assert len(engine.core.batch_queue) == 1
+        out = engine.core.step_with_batch_queue()
+        assert [o.request_id for o in out] == ["a"] and len(out[0].new_token_ids) == 1
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_abort_mid_flight_frees_blocks(tiny_llama_dir, async_mode):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), async_scheduling=async_mode), show_progress=False)
+    try:
+        a = engine.add_request("The quick brown fox", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        b = engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        seen = {a: 0, b: 0}
+        for _ in range(4):
+            for o in engine.step():
+                seen[o.request_id] = len(o.outputs[0].token_ids)
+        engine.abort_request(a)
+        final = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                final[o.request_id] = o
+        assert a not in final, "no output after the abort"
+        assert 0 < seen[a] < 50
+        assert len(final[b].outputs[0].token_ids) == 6
+        assert engine.core.scheduler.kv.num_free_blocks == engine.core.num_blocks
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_forward_error_reaches_caller_and_shutdown_is_clean(tiny_llama_dir, async_mode):
+    before = set(threading.enumerate())
+    llm = LLM(model=str(tiny_llama_dir), async_scheduling=async_mode, show_progress=False)
+    model = llm.engine.core.executor.worker.model
+    calls = {"n": 0}
+    real = model.forward
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom in forward")
+        return real(*a, **kw)
+
+    model.forward = flaky
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    assert not llm.engine.core.scheduler.has_unfinished_requests()
+    model.forward = real
+    outs = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3, "the engine keeps serving after an error"
+    llm.shutdown()
+    leftover = [t for t in threading.enumerate() if t not in before and t.name.startswith("forerun")]
+    assert leftover == []
+
+
+def test_bad_input_names_the_field(tiny_llama_dir, llm):
+    cases = [
+        (lambda: llm.generate([""], SamplingParams(), use_tqdm=False), "prompt"),
+        (lambda: llm.generate([[1] * 5000], SamplingParams(), use_tqdm=False), "prompt"),
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+        (lambda: SamplingParams(temperature=-1), "temperature"),
+        (lambda: LLM(model="/no/such/model", show_progress=False), "model"),
+        (lambda: LLM(model=str(tiny_llama_dir), block_size=0, show_progress=False), "block_size"),
+    ]
+    for fn, field in cases:
+        with pytest.raises(ValueError, match=field):
+            fn()
+    # The engine still serves after rejected input.
+    assert len(gen(llm, ["Hello"], temperature=0, max_tokens=2)[0].outputs[0].token_ids) == 2
