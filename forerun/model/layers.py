@@ -1,0 +1,197 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, tensor-parallel linears and embeddings.
+
+Parameters are created with `torch.empty` (no random init): every one is overwritten by
+`load_weights`, and skipping init keeps model construction cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from forerun.model.parallel import TPGroup
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight over the last dim; `weight` has shape [hidden]."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.shape = (hidden,)
+        self.weight = nn.Parameter(torch.empty(hidden))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """Residual add then norm: returns (norm(x + residual), x + residual)."""
+        residual = x + residual
+        return F.rms_norm(residual, self.shape, self.weight, self.eps), residual
+
+
+def _scaled_inv_freq(inv_freq: Tensor, scaling: dict[str, Any] | None) -> Tensor:
+    """Apply a config's `rope_scaling` to the base inverse frequencies."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    assert scaling is not None
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by `factor`, short ones kept; the band between blends linearly.
+        smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half ("neox") rotary embedding with a precomputed cos/sin table.
+
+    Invariant: `table[p] = cat(cos, cos, -sin, sin)` of position p's angles, so one index_select
+    per step yields both factors for every layer.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim: rotary needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = _scaled_inv_freq(inv_freq, scaling)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("table", torch.cat((cos, cos, -sin, sin), dim=-1), persistent=False)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-token factors [T, 1, head_dim] each, broadcastable over heads."""
+        both = self.table.index_select(0, positions).unsqueeze(1)
+        return both[..., : self.head_dim], both[..., self.head_dim :]
+
+    @staticmethod
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate x [T, heads, head_dim]; `sin` carries the sign of rotate-half's first half."""
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: this rank holds rows [rank*n, (rank+1)*n)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = tp.shard(out_features, "out_features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features))
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, param: str, full: Tensor) -> None:
+        """Copy this rank's rows of a full (unsharded) `weight` or `bias`."""
+        target = getattr(self, param)
+        target.data.copy_(full.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank))
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel outputs packed into one matmul (q/k/v, or gate/up).
+
+    Invariant: each rank's output is the concatenation, in order, of its share of each part, so
+    the caller splits it with `self.sizes` (the per-rank sizes).
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.sizes = [tp.shard(n, f"output_sizes[{i}]") for i, n in enumerate(output_sizes)]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        total = sum(self.sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features))
+        self.bias = nn.Parameter(torch.empty(total)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, param: str, full: Tensor, part: int) -> None:
+        """Copy this rank's share of part `part` (e.g. 1 = k of q/k/v) from its full tensor."""
+        n = self.sizes[part]
+        if full.shape[0] != n * self.tp.size:
+            raise ValueError(f"{param}: part {part} has {full.shape[0]} rows, expected {n * self.tp.size}")
+        target = getattr(self, param)
+        target.data.narrow(0, self.offsets[part], n).copy_(full.narrow(0, self.tp.rank * n, n))
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns; the bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_per_rank = tp.shard(in_features, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, param: str, full: Tensor) -> None:
+        """Copy this rank's input columns of `weight`, or the whole `bias`."""
+        target = getattr(self, param)
+        if param == "bias":
+            target.data.copy_(full)
+        else:
+            target.data.copy_(full.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; the vocab is padded up to a multiple of tp size.
+
+    Invariant: this rank holds ids [start, start + rows); padded rows are zero and never looked up.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def load_weight(self, param: str, full: Tensor) -> None:
+        """Copy this rank's rows of the full [vocab, hidden] table (zeros past the real vocab)."""
+        if full.shape[0] != self.vocab_size:
+            raise ValueError(f"{param}: has {full.shape[0]} rows, expected vocab_size {self.vocab_size}")
+        n = max(0, min(self.rows, self.vocab_size - self.start))
+        self.weight.data.zero_()
+        self.weight.data.narrow(0, 0, n).copy_(full.narrow(0, self.start, n))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharing the embedding's sharding; logits are gathered to the full vocab."""
+
+    def forward(self, hidden: Tensor) -> Tensor:  # type: ignore[override]
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

@@ -1,0 +1,262 @@
+"""Llama-family decoder models (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+from forerun.model.layers import (MergedColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                                  RowParallelLinear, VocabParallelEmbedding)
+from forerun.model.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+# HF checkpoint projections that live packed in one of our matmuls: name -> (packed name, part).
+_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The config.json fields the Llama family needs, validated; one sliding window per layer."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    windows: tuple[int | None, ...]
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], arch: str) -> "LlamaArgs":
+        """Read a Hugging Face config.json dict for architecture `arch` (e.g. 'Qwen3ForCausalLM')."""
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act: only silu is supported, got {cfg['hidden_act']!r}")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias: MLP biases are not supported")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        bias = bool(cfg.get("attention_bias", False))
+        family = arch.removesuffix("ForCausalLM")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=scaling, max_position=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "Qwen2" else bias,
+            o_bias=False if family == "Qwen2" else bias,
+            qk_norm=family == "Qwen3",
+            windows=_windows(cfg, family, layers))
+
+
+def _windows(cfg: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window (None = full attention), as transformers applies it."""
+    window = cfg.get("sliding_window")
+    if family == "Mistral":
+        return (window,) * layers
+    if family in ("Qwen2", "Qwen3") and cfg.get("use_sliding_window") and window:
+        types = cfg.get("layer_types")
+        if not types:
+            first_full = int(cfg.get("max_window_layers", layers))
+            types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(layers)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * layers
+
+
+class LlamaAttention(nn.Module):
+    """Packed q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention."""
+
+    def __init__(self, args: LlamaArgs, tp: TPGroup, backend: AttentionBackend, window: int | None) -> None:
+        super().__init__()
+        d = args.head_dim
+        self.num_heads = tp.shard(args.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(args.num_kv_heads, "num_key_value_heads")
+        self.head_dim = d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.scale = d ** -0.5
+        self.window = window
+        self.backend = backend
+        self.qkv_proj = MergedColumnParallelLinear(
+            args.hidden_size, [args.num_heads * d, args.num_kv_heads * d, args.num_kv_heads * d], args.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, tp)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        qk_end = self.q_size + self.kv_size
+        v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        else:
+            # q and k share the rotation, so one set of ops rotates both.
+            qk = RotaryEmbedding.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul."""
+
+    def __init__(self, args: LlamaArgs, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            args.hidden_size, [args.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp)
+        self.inter = self.gate_up_proj.sizes[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        gu = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next norm call."""
+
+    def __init__(self, args: LlamaArgs, tp: TPGroup, backend: AttentionBackend, window: int | None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, tp, backend, window)
+        self.mlp = LlamaMLP(args, tp)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, hidden: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
+                kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (named as in HF checkpoints under `model.`)."""
+
+    def __init__(self, args: LlamaArgs, tp: TPGroup, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(args, tp, backend, args.windows[i]) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope_theta, args.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM following the `CausalLM` protocol of forerun.model.registry.
+
+    Invariants: `num_kv_heads` is per tensor-parallel rank; `forward` writes every new token's K/V
+    into `kv_caches[layer]` at `attn.slot_mapping` before attending; with tied embeddings
+    `lm_head.weight` is the embedding's Parameter itself.
+    """
+
+    def __init__(self, args: LlamaArgs, tp: TPGroup = TPGroup(),
+                 backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.tp = tp
+        self.model = LlamaModel(args, tp, backend or TorchSDPABackend())
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.num_layers = args.num_layers
+        self.num_kv_heads = tp.shard(args.num_kv_heads, "num_key_value_heads")
+        self.head_dim = args.head_dim
+        self.vocab_size = args.vocab_size
+        self.max_position = args.max_position
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of ONE layer's cache: (2, num_blocks, block_size, num_kv_heads, head_dim)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+                attn: AttentionMetadata) -> Tensor:
+        """Final-norm hidden states [T, hidden] for the flattened batch."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches: expected {self.num_layers} layers, got {len(kv_caches)}")
+        m = self.model
+        cos, sin = m.rotary.cos_sin(positions)  # shared by every layer
+        hidden, residual = m.embed_tokens(input_ids), None
+        for layer, cache in zip(m.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, cos, sin, cache, attn)
+        return m.norm.add_forward(hidden, residual)[0]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Full-vocab float32 logits [n, vocab] (gathered over ranks)."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Load HF-named tensors: q/k/v and gate/up are packed, tensor-parallel shards are cut here."""
+        params = dict(self.named_parameters())
+        done: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            if "rotary_emb." in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+                continue
+            module_path, _, param = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            part = None
+            if leaf in _PACKED:
+                leaf, part = _PACKED[leaf]
+                module_path = f"{parent}.{leaf}"
+            full = f"{module_path}.{param}"
+            if full not in params:
+                raise ValueError(f"weights: unexpected tensor {name!r} for {type(self).__name__}")
+            module = self.get_submodule(module_path)
+            if part is not None:
+                module.load_weight(param, tensor, part)
+            elif hasattr(module, "load_weight"):
+                module.load_weight(param, tensor)
+            else:
+                if tensor.shape != params[full].shape:
+                    raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(params[full].shape)}")
+                params[full].data.copy_(tensor)
+            done.setdefault(full, set()).add(part or 0)
+        missing = [n for n, _ in self.named_parameters() if len(done.get(n, ())) < _parts(self, n)]
+        if missing:
+            raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _parts(model: nn.Module, param_name: str) -> int:
+    module = model.get_submodule(param_name.rpartition(".")[0])
+    return len(module.sizes) if isinstance(module, MergedColumnParallelLinear) else 1
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with an optional sliding window (set per layer from config.json)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v biases."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with per-head RMSNorm on q and k before rotary, and no q/k/v bias by default."""

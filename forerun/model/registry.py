@@ -1,0 +1,71 @@
+"""Pick and load the model class named by a Hugging Face folder's config.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterable, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from forerun.model.attention import AttentionMetadata
+from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                 Qwen3ForCausalLM)
+from forerun.model.parallel import TPGroup
+from forerun.model.weights import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+class CausalLM(Protocol):
+    """What every generative model offers the worker. `num_kv_heads` is per tensor-parallel rank."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]: ...
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+                attn: AttentionMetadata) -> Tensor: ...
+
+    def compute_logits(self, hidden: Tensor) -> Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None: ...
+
+
+def resolve_architecture(config: dict) -> tuple[str, type[LlamaForCausalLM]]:
+    """The first supported name in config['architectures'] and its class."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in _ARCHITECTURES:
+            return name, _ARCHITECTURES[name]
+    raise ValueError(f"architectures: {names!r} has no supported model (supported: {sorted(_ARCHITECTURES)})")
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup()) -> CausalLM:
+    """Build the model for `folder`'s config.json on `device` in `dtype` and load its safetensors."""
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"folder: no config.json in {folder}")
+    config = json.loads(config_path.read_text())
+    arch, cls = resolve_architecture(config)
+    args = LlamaArgs.from_config(config, arch)
+    with torch.device(device):
+        model = cls(args, tp)
+    model.to(dtype)
+    model.load_weights(iter_safetensors(Path(folder)))
+    model.requires_grad_(False).eval()
+    logger.info("loaded %s from %s (%d layers, tp rank %d/%d)", arch, folder, args.num_layers, tp.rank, tp.size)
+    return model
