@@ -46,6 +46,7 @@ class Scheduler:
         self.num_dead_tokens = 0
         self.last_dead_token_req_ids: list[str] = []
         self.total_scheduled_tokens = 0
+        self._error_outputs: list[EngineCoreOutput] = []
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -148,13 +149,20 @@ class Scheduler:
         out = self._make_output(num_scheduled, new_reqs, cached_reqs, preempted)
         return out
 
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        """Requests that ended outside a step's output (a grammar that failed to compile)."""
+        out, self._error_outputs = self._error_outputs, []
+        return out
+
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData]) -> int:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self._ready(req) or not self._can_admit(req):
-                skipped.append(self.waiting.popleft())
+                popped = self.waiting.popleft()
+                if not popped.finished:
+                    skipped.append(popped)
                 continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
@@ -192,6 +200,9 @@ class Scheduler:
             req.grammar = self.structured.new_matcher(fut.result())
         except Exception as exc:  # a spec that failed to compile ends only this request
             logger.warning("request %s: grammar failed to compile: %s", req.request_id, exc)
+            self._free(req, RequestStatus.FINISHED_ERROR)
+            self._error_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error",
+                                                        error=f"structured_outputs: {exc}"))
             return False
         req.status = RequestStatus.WAITING
         return True

@@ -8,6 +8,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
@@ -45,7 +46,8 @@ class EngineCore:
     between steps, so an aborted request never receives an output from a later step.
     """
 
-    def __init__(self, config: EngineConfig, model_folder: Path, structured=None) -> None:
+    def __init__(self, config: EngineConfig, model_folder: Path,
+                 structured_factory: Callable[[], Any] | None = None) -> None:
         config.validate()
         self.config = config
         self.executor = make_executor(config, model_folder)
@@ -63,9 +65,10 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                     config.enable_chunked_prefill)
-        self.structured = structured
-        self.scheduler: Scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
-            sched_cfg, kv, structured)
+        # Built on the first structured request: importing the grammar library costs about a second.
+        self._structured_factory = structured_factory
+        self.structured: Any = None
+        self.scheduler: Scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(sched_cfg, kv)
         self.async_mode = bool(config.async_scheduling)
         self.batch_queue: deque[_InFlight] = deque()
         self.queue_depth = 2 if self.async_mode else 1
@@ -82,10 +85,16 @@ class EngineCore:
                              f"max_model_len {self.max_model_len}")
         sp = core_req.sampling_params
         if sp.structured_outputs is not None:
-            if self.structured is None:
-                raise ValueError("structured_outputs: this engine has no structured-output backend")
-            req.grammar_future = self.structured.submit(sp.structured_outputs)
+            req.grammar_future = self.structured_manager().submit(sp.structured_outputs)
         self.scheduler.add_request(req)
+
+    def structured_manager(self) -> Any:
+        if self.structured is None:
+            if self._structured_factory is None:
+                raise ValueError("structured_outputs: this engine has no structured-output backend")
+            self.structured = self._structured_factory()
+            self.scheduler.structured = self.structured
+        return self.structured
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Takes effect before the next step is applied (now, in sync mode)."""
@@ -103,7 +112,7 @@ class EngineCore:
 
     def run_step(self) -> list[EngineCoreOutput]:
         out = self.step_with_batch_queue() if self.async_mode else self.step()
-        return out or []
+        return self.scheduler.take_error_outputs() + (out or [])
 
     # ---- sync ----------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -171,7 +180,8 @@ class EngineCore:
             self._unsent_finished, self._unsent_preempted = set(), set()
         if self.trace is not None:
             self.trace.span("schedule", sched.step_id, t0, tokens=sched.total_num_scheduled_tokens,
-                            reqs=len(sched.num_scheduled_tokens))
+                            reqs=len(sched.num_scheduled_tokens), structured=len(sched.structured_req_ids),
+                            deferred_sampling=sched.pending_structured_output)
         return sched
 
     def _grammar_output(self, sched: SchedulerOutput) -> GrammarOutput | None:
@@ -179,7 +189,8 @@ class EngineCore:
             return None
         matchers = [self.scheduler.requests[r].grammar if r in self.scheduler.requests else None
                     for r in sched.structured_req_ids]
-        return GrammarOutput(sched.structured_req_ids, self.structured.grammar_bitmask(matchers))
+        bitmask = self.structured.grammar_bitmask(matchers)
+        return None if bitmask is None else GrammarOutput(sched.structured_req_ids, bitmask)
 
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()

@@ -18,13 +18,12 @@ logger = logging.getLogger(__name__)
 
 
 def make_structured_manager(folder: Path, vocab_size: int):
-    """The xgrammar backend when installed; None otherwise (structured requests then get a clear error)."""
+    """The xgrammar-backed manager; a clear error when xgrammar is not installed."""
     try:
         from forerun.structured.manager import StructuredOutputManager
+        return StructuredOutputManager(folder, vocab_size)
     except ImportError as exc:
-        logger.info("structured outputs unavailable: %s", exc)
-        return None
-    return StructuredOutputManager(folder, vocab_size)
+        raise ValueError(f"structured_outputs: needs xgrammar ({exc}); run scripts/setup.sh") from exc
 
 
 class LLMEngine:
@@ -38,10 +37,8 @@ class LLMEngine:
         self.config = config
         self.model_folder = resolve_model(config.model, show_progress=show_progress)
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
-        structured = None
-        if config.runner == "generate":
-            structured = make_structured_manager(self.model_folder, self._vocab_size())
-        self.core = EngineCore(config, self.model_folder, structured)
+        folder, vocab = self.model_folder, self._vocab_size()
+        self.core = EngineCore(config, self.model_folder, lambda: make_structured_manager(folder, vocab))
         self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
 
@@ -59,8 +56,8 @@ class LLMEngine:
         if self.outputs.has(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids, core_reqs = self.inputs.process(request_id, prompt, params)
-        if params.structured_outputs is not None and self.core.structured is not None:
-            self.core.structured.validate_sync(params.structured_outputs)
+        if params.structured_outputs is not None:
+            self.core.structured_manager().validate_sync(params.structured_outputs)
         added = []
         try:
             for core_req in core_reqs:

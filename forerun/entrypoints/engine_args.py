@@ -1,0 +1,50 @@
+"""Command-line flags for every `EngineConfig` field, shared by `serve`, `generate`, `chat` and `bench`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from forerun.config import EngineConfig
+
+# Flags whose value maps one to one onto an EngineConfig field of the same name.
+_FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+           "enable_prefix_caching", "enable_chunked_prefill", "kv_cache_memory", "num_kv_blocks",
+           "async_scheduling", "seed", "tensor_parallel_size", "distributed_executor_backend", "runner",
+           "num_threads")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags. Every default is None so `EngineConfig`'s own defaults apply."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="model folder, .gguf file or default model name (default: the bundled SmolLM2)")
+    g.add_argument("--dtype", default=None, help="weights/activations dtype: auto, float32, bfloat16, float16")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse KV blocks of shared prompt prefixes (default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts across steps (default: on)")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: 1GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
+    g.add_argument("--seed", type=int, default=None, help="engine seed")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule one step ahead of the model (default: on for generation)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="tensor-parallel ranks")
+    g.add_argument("--distributed-executor-backend", default=None,
+                   choices=["uni", "mp", "ray", "external_launcher"], help="how ranks are launched")
+    g.add_argument("--runner", default=None, choices=["generate", "pooling"], help="model runner kind")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads of each worker")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """An EngineConfig from parsed flags: only flags the user set override the config's defaults."""
+    values = {name: getattr(args, name) for name in _FIELDS if getattr(args, name, None) is not None}
+    assert set(values) <= {f.name for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**values)
+    config.validate()
+    return config
