@@ -71,8 +71,12 @@ class OutputProcessor:
             if parent is None:
                 continue
             state = self._states[parent]
+            if parent not in touched:  # deltas describe this call only, for every sibling
+                for sibling in state.output.outputs:
+                    sibling.delta_text, sibling.delta_token_ids = "", []
             comp = state.children[co.request_id]
             if comp.out.finished:
+                touched[parent] = state.output
                 continue
             self._apply(comp, co, to_abort)
             if co.new_token_ids:

@@ -1,0 +1,138 @@
+"""Pieces both OpenAI endpoints share: model check, request timing, SSE framing, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from forerun.engine.async_llm import AsyncLLM
+from forerun.engine.input_processor import Prompt
+from forerun.entrypoints.openai.errors import APIError
+from forerun.entrypoints.openai.metrics import ServerMetrics
+from forerun.outputs import RequestOutput
+from forerun.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EngineRequestError(RuntimeError):
+    """The engine ended a request with an error (a failed step): the server's fault, not the client's."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class ServingBase:
+    """Invariant: every request this class starts is observed in the metrics once, when it finishes."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.", "invalid_request_error",
+                           param="model", code="model_not_found")
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """The engine's stream, timed for the metrics; a completion that ended in error raises."""
+        t0 = time.monotonic()
+        first: float | None = None
+        async for out in self.engine.generate(prompt, params, request_id):
+            if first is None and any(c.delta_token_ids for c in out.outputs):
+                first = time.monotonic()
+            for c in out.outputs:
+                if c.finish_reason == "error":
+                    raise EngineRequestError(f"engine error: {c.error}")
+            if out.finished:
+                longest = max(len(c.token_ids) for c in out.outputs)
+                self.metrics.observe_request(out.outputs[0].finish_reason or "stop", len(out.prompt_token_ids),
+                                             longest, None if first is None else first - t0, time.monotonic() - t0)
+            yield out
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one position (the entry holds the sampled token plus the top k)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several streams as their items arrive, tagged with the stream's index.
+
+    Leaving early (or an error in one stream) cancels the others, which aborts their requests.
+    """
+    queue: asyncio.Queue[tuple[int, T | None, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None, False))
+            await queue.put((i, None, None, True))
+        except Exception as exc:
+            await queue.put((i, None, exc, True))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, exc, done = await queue.get()
+            if exc is not None:
+                raise exc
+            if done:
+                remaining -= 1
+            else:
+                yield i, item  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def indexed(stream: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    async for item in stream:
+        yield 0, item
+
+
+async def run_until_disconnect(raw: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, cancelling it (and so aborting its requests) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return

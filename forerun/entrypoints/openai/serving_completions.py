@@ -1,0 +1,111 @@
+"""POST /v1/completions: one or more prompts, `n` completions each, streamed or whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from forerun.entrypoints.openai.errors import sse_error
+from forerun.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                                 CompletionRequest, CompletionResponse, UsageInfo, random_id)
+from forerun.entrypoints.openai.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, indexed, merge,
+                                                     run_until_disconnect, sse, top_logprobs)
+from forerun.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(ServingBase):
+    """Choice `i * n + j` is completion j of prompt i, as in OpenAI's API."""
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        prompts = req.prompts()
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        rid = random_id("cmpl")
+        gens = [self.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+        stream = merge(gens) if len(gens) > 1 else indexed(gens[0])
+        try:
+            if req.stream:
+                # Wait for the first output so bad input still gets a plain 400, not a broken stream.
+                first = await run_until_disconnect(raw, anext(stream))
+                return StreamingResponse(self._stream(req, rid, first, stream), media_type="text/event-stream")
+            finals = await run_until_disconnect(raw, _collect(stream))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(self._response(req, rid, [finals[i] for i in range(len(prompts))]).model_dump())
+
+    def _response(self, req: CompletionRequest, rid: str, finals: list[RequestOutput]) -> CompletionResponse:
+        choices, usage = [], UsageInfo()
+        for i, out in enumerate(finals):
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                lp = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+
+    async def _stream(self, req: CompletionRequest, rid: str, first: tuple[int, RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage = UsageInfo()
+        offsets: dict[int, int] = {}  # choice index -> characters streamed so far (for text_offset)
+        ended: set[int] = set()  # choice indexes whose finish_reason was sent
+        try:
+            item: tuple[int, RequestOutput] | None = first
+            while item is not None:
+                i, out = item
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    if not (c.delta_text or c.delta_token_ids or (c.finished and index not in ended)):
+                        continue
+                    if c.finished:
+                        ended.add(index)
+                    lp = self._delta_logprobs(c, req.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(c.delta_text)
+                    choice = CompletionChoice(index=index, text=c.delta_text, logprobs=lp,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    yield sse(CompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
+                if out.finished:
+                    usage.prompt_tokens += len(out.prompt_token_ids)
+                    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                item = await anext(rest, None)
+            if req.include_usage:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse(CompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
+        except Exception as exc:
+            yield sse_error(exc)
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE
+
+    def _delta_logprobs(self, c: CompletionOutput, k: int | None, offset: int) -> CompletionLogprobs | None:
+        if k is None or c.logprobs is None:
+            return None
+        n = len(c.delta_token_ids)
+        return self._logprobs(c.delta_token_ids, c.logprobs[len(c.logprobs) - n:], k, offset)
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None, k: int | None,
+                  offset: int) -> CompletionLogprobs | None:
+        if k is None or entries is None:
+            return None
+        out = CompletionLogprobs()
+        for tid, entry in zip(token_ids, entries):
+            text = self.token_text(tid)
+            out.tokens.append(text)
+            out.token_logprobs.append(entry.get(tid))
+            out.top_logprobs.append({self.token_text(t): lp for t, lp in top_logprobs(entry, max(k, 1))})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in stream:
+        if out.finished:
+            finals[i] = out
+    return finals

@@ -1,0 +1,115 @@
+"""Start and stop a real `forerun serve` subprocess for the server tests, and read its /metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendants of `pid` (read from /proc, no psutil needed)."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for children in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                kids = {int(c) for c in children.read_text().split()}
+            except OSError:
+                continue
+            todo.extend(kids - out)
+            out |= kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    api_key: str | None
+    log_path: Path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{", 1)[0]] = values.get(name.split("{", 1)[0], 0.0) + float(value)
+        return values
+
+
+def start_server(model: str | Path | None, *args: str, api_key: str | None = None, timeout_s: float = 180) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "forerun.entrypoints.serve"] + ([str(model)] if model else []) + [
+        "--port", str(port), "--uvicorn-log-level", "warning", *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    log_path = Path(tempfile.mkstemp(prefix="forerun-serve-", suffix=".log")[1])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    server = Server(proc, f"http://127.0.0.1:{port}", api_key, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_server(server)
+    raise RuntimeError(f"server did not start within {timeout_s} s:\n{server.log()}")
+
+
+def stop_server(server: Server, sig: int = signal.SIGTERM, timeout_s: float = 30) -> tuple[int, set[int]]:
+    """Signal the server, wait for it, and return its exit code and any descendants still alive."""
+    kids = descendants(server.proc.pid)
+    if server.proc.poll() is None:
+        server.proc.send_signal(sig)
+    try:
+        code = server.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        code = server.proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(k) for k in kids):
+        time.sleep(0.1)
+    left = {k for k in kids if alive(k)}
+    for k in left:  # never leave processes behind, even when the test fails
+        os.kill(k, signal.SIGKILL)
+    server.log_path.unlink(missing_ok=True)
+    return code, left

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible server end to end: a real `forerun serve` subprocess and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve_helpers import Server, alive, descendants, start_server, stop_server
+
+API_KEY = "test-key"
+NUM_BLOCKS = 256
+GREEDY = dict(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    srv = start_server(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "256",
+                       "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16", api_key=API_KEY)
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            code, left = stop_server(srv)
+            assert not left
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def wait_idle(server: Server, timeout_s: float = 10) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if (m["forerun:num_requests_running"] == 0 and m["forerun:num_requests_waiting"] == 0
+                and m["forerun:kv_cache_blocks_used"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_models_health_and_completion(server, client):
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt="Hello, my name is", **GREEDY)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text
+    assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_completion_matches_non_streamed(client):
+    whole = client.completions.create(model="tiny", prompt="The quick brown fox", **GREEDY)
+    chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox", stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+
+
+def test_chat_streaming_equals_non_streamed(client):
+    msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, temperature=0.0, max_completion_tokens=16)
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content
+    stream = client.chat.completions.create(model="tiny", messages=msgs, temperature=0.0, max_completion_tokens=16,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n2_and_seed_reproducible(client):
+    kw = dict(model="tiny", prompt="Once upon a time", n=2, temperature=1.0, max_tokens=10, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # each child gets its own seed
+    c = client.completions.create(**{**kw, "seed": 99})
+    assert [x.text for x in c.choices] != [x.text for x in a.choices]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          temperature=1.0, max_tokens=6, seed=5)
+    assert sorted(ch.index for ch in chat.choices) == [0, 1]
+
+
+def test_streaming_n2_each_choice_finishes_once(client):
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", n=2, temperature=1.0,
+                                            max_tokens=10, seed=7, stream=True))
+    whole = client.completions.create(model="tiny", prompt="Once upon a time", n=2, temperature=1.0,
+                                      max_tokens=10, seed=7)
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(ch.text for ch in mine) == whole.choices[i].text
+        assert sum(ch.finish_reason is not None for ch in mine) == 1
+
+
+def test_logprobs(client):
+    r = client.completions.create(model="tiny", prompt="Hello", logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and tok_lp <= 0.0
+        assert tok_lp == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the most likely token
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+                                          top_logprobs=2, temperature=0.0, max_tokens=5)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)
+               for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+
+
+def test_stop_string(client):
+    base = client.completions.create(model="tiny", prompt="Hello, my name is", temperature=0.0, max_tokens=16,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[len(base) // 2:len(base) // 2 + 3]
+    assert stop.strip(), base
+    r = client.completions.create(model="tiny", prompt="Hello, my name is", temperature=0.0, max_tokens=16,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == base[:base.index(stop)]
+
+
+def test_ignore_eos_and_min_tokens_extra_fields(client):
+    r = client.completions.create(model="tiny", prompt="Hi", temperature=0.0, max_tokens=20,
+                                  extra_body={"ignore_eos": True, "min_tokens": 20})
+    assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"
+
+
+BAD_REQUESTS = [
+    ("wrong type", {"prompt": "hi", "max_tokens": "lots"}, 400, "max_tokens"),
+    ("max_tokens < 1", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature < 0", {"prompt": "hi", "temperature": -1.0}, 400, "temperature"),
+    ("prompt too long", {"prompt": "hello " * 400, "max_tokens": 4}, 400, "prompt"),
+    ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
+    ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_then_good_one(server, client, name, body, status, param):
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", **body}, headers=server.headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_invalid_json_wrong_key_and_openai_client_errors(server, client):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
+                   headers={**server.headers, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    with pytest.raises(openai.BadRequestError):  # bad streamed request: a plain 400, not a broken stream
+        list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 300}],
+                                            stream=True))
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).choices[0].message.content is not None
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    before = wait_idle(server)["forerun:generation_tokens_total"]
+    body = {"model": "tiny", "prompt": "Count: " + "1 2 3 " * 10, "max_tokens": 200, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers,
+                      timeout=30) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    break
+        during = server.metrics()
+    assert during["forerun:num_requests_running"] == 1 and during["forerun:kv_cache_blocks_used"] > 0
+    after = wait_idle(server)
+    assert after["forerun:num_requests_running"] == 0
+    assert after["forerun:kv_cache_blocks_used"] == 0 and after["forerun:kv_cache_blocks_free"] == NUM_BLOCKS
+    assert after["forerun:generation_tokens_total"] - before < 200  # aborted, not run to the end
+
+
+def test_64_concurrent_streams(server):
+    async def main() -> list[tuple[int, int, str]]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(i: int) -> tuple[int, int, str]:
+            stream = await aclient.completions.create(model="tiny", prompt=f"Request number {i}:", max_tokens=8,
+                                                      temperature=0.8, seed=i, stream=True,
+                                                      stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True})
+            pieces, usage, finish = 0, 0, ""
+            async for chunk in stream:
+                if chunk.choices:
+                    pieces += 1
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage:
+                    usage = chunk.usage.completion_tokens
+            return pieces, usage, finish
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    assert all(usage == 8 and finish == "length" and pieces >= 1 for pieces, usage, finish in results), results
+    m = wait_idle(server)
+    assert m["forerun:num_requests_running"] == 0 and m["forerun:num_requests_waiting"] == 0
+    assert m["forerun:kv_cache_blocks_free"] == NUM_BLOCKS and m["forerun:kv_cache_blocks_used"] == 0
+    assert m["forerun:time_to_first_token_seconds_count"] >= 64
+    assert m["forerun:generation_tokens_total"] >= 64 * 8
+
+
+def test_sigterm_with_stream_in_flight_exits_cleanly(server):
+    kids = descendants(server.proc.pid)
+    assert kids, "the engine core runs in a child process"
+    body = {"model": "tiny", "prompt": "Go", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers,
+                      timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    server.proc.send_signal(signal.SIGTERM)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "server is shutting down"  # aborted, not finished
+    code, left = stop_server(server)
+    assert code in (0, -signal.SIGTERM), server.log()
+    assert not left and not any(alive(k) for k in kids)
+
+
+def test_real_model_paris_then_engine_death_gives_503(smollm2_dir):
+    srv = start_server(None, "--max-model-len", "512", "--num-kv-blocks", "64")
+    try:
+        c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = c.models.list().data[0].id
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                      temperature=0.0, max_tokens=16)
+        assert "Paris" in r.choices[0].message.content
+        core = [k for k in descendants(srv.proc.pid) if "forerun-engine" in _cmdline(k) or _is_spawned_core(k)]
+        assert core
+        for pid in core:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{srv.base_url}/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        health = httpx.get(f"{srv.base_url}/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_down"
+        with pytest.raises(openai.APIStatusError) as info:
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert info.value.status_code == 503
+    finally:
+        code, left = stop_server(srv)
+    assert not left
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _is_spawned_core(pid: int) -> bool:
+    # A spawn child runs `python -c "from multiprocessing.spawn import spawn_main; ..."`; the resource
+    # tracker runs `...resource_tracker...`.
+    cmd = _cmdline(pid)
+    return "spawn_main" in cmd and "resource_tracker" not in cmd
