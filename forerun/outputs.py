@@ -57,6 +57,10 @@ class RequestOutput:
 
 @dataclass
 class EmbeddingOutput:
+    """The pooled vector of one input (L2-normalised when the model's pooling config says so)."""
+
     request_id: str
     prompt_token_ids: list[int]
     embedding: list[float]
+    error: str | None = None
+    finished: bool = True

@@ -113,3 +113,19 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+
+
+class NoKVCache(KVCacheManager):
+    """For encoder-only models: no blocks at all, every allocation succeeds, nothing is cached."""
+
+    def __init__(self) -> None:
+        self.block_size = 1
+        self.enable_caching = False
+        self.req_blocks = {}
+        self._num_hashed = {}
+        self.stats = PrefixCacheStats()
+        self.pool = BlockPool(1, False)  # a stand-in so counters read "all free"
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        return True

@@ -22,6 +22,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    encoder_only: bool = False  # prompts run whole in one step (bidirectional attention cannot be chunked)
 
 
 class Scheduler:
@@ -166,6 +167,10 @@ class Scheduler:
                 continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
+            if n > budget and self.config.encoder_only:
+                if num_scheduled:
+                    break
+                budget = n  # a prompt longer than the budget runs alone in its own step
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
-from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.kv_cache_manager import KVCacheManager, NoKVCache
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.engine.step_trace import StepTrace
@@ -57,14 +57,16 @@ class EngineCore:
         if config.max_model_len and config.max_model_len > info.max_model_len:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit {info.max_model_len}")
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks", (self.max_model_len,)))
-        if num_blocks * config.block_size < self.max_model_len:
+        if num_blocks and num_blocks * config.block_size < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len %d",
                            num_blocks * config.block_size, self.max_model_len)
         self.executor.collective_rpc("init_kv_cache", (num_blocks, self.max_model_len))
         self.num_blocks = num_blocks
-        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.encoder_only = info.encoder_only
+        kv = NoKVCache() if self.encoder_only else KVCacheManager(num_blocks, config.block_size,
+                                                                   config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                    config.enable_chunked_prefill)
+                                    config.enable_chunked_prefill, encoder_only=self.encoder_only)
         # Built on the first structured request: importing the grammar library costs about a second.
         self._structured_factory = structured_factory
         self.structured: Any = None
@@ -80,7 +82,11 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
         req = Request(core_req, self.max_model_len)
-        if req.num_prompt_tokens >= self.max_model_len:
+        if core_req.pooling:
+            if req.num_prompt_tokens > self.max_model_len:
+                raise ValueError(f"input: {req.num_prompt_tokens} tokens exceed the model's limit of "
+                                 f"{self.max_model_len}")
+        elif req.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt: {req.num_prompt_tokens} tokens leave no room for output within "
                              f"max_model_len {self.max_model_len}")
         sp = core_req.sampling_params

@@ -61,5 +61,14 @@ class InputProcessor:
         return text, ids, children
 
 
+    def process_pooling(self, request_id: str, prompt: Prompt) -> tuple[str | None, list[int], EngineCoreRequest]:
+        """One pooling request: the whole prompt is the input; nothing is generated."""
+        text, ids = self.tokenize(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"input: {len(ids)} tokens exceed the model's limit of {self.max_model_len}")
+        params = SamplingParams(max_tokens=None, temperature=0.0)
+        return text, ids, EngineCoreRequest(request_id, ids, params, frozenset(), time.monotonic(), pooling=True)
+
+
 def child_id(parent: str, index: int) -> str:
     return f"{parent}#{index}"

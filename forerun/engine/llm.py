@@ -10,7 +10,7 @@ from tqdm import tqdm
 from forerun.config import EngineConfig
 from forerun.engine.input_processor import Prompt
 from forerun.engine.llm_engine import LLMEngine
-from forerun.outputs import RequestOutput
+from forerun.outputs import EmbeddingOutput, RequestOutput
 from forerun.sampling_params import SamplingParams
 
 
@@ -55,7 +55,25 @@ class LLM:
             out.prompt = text
         return outs
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def embed(self, inputs: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """One vector per input (needs `runner="pooling"`); inputs are strings or token-id lists."""
+        items = _as_prompt_list(inputs)
+        ids = []
+        try:
+            for item in items:
+                ids.append(self.engine.add_pooling_request(item))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            self._drain()
+            raise
+        outs = self._run(ids, use_tqdm)
+        for out in outs:
+            if out.error:
+                raise RuntimeError(f"embedding failed: {out.error}")
+        return outs
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, out_tokens = time.perf_counter(), 0
@@ -64,7 +82,7 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        out_tokens += sum(len(c.token_ids) for c in getattr(out, "outputs", ()))
                         bar.update(1)
                         bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
         finally:

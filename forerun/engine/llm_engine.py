@@ -11,7 +11,7 @@ from forerun.engine.input_processor import InputProcessor, Prompt
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.tokenizer import Tokenizer
 from forerun.model.model_source import resolve_model
-from forerun.outputs import RequestOutput
+from forerun.outputs import EmbeddingOutput, RequestOutput
 from forerun.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,13 +69,24 @@ class LLMEngine:
         self.outputs.add(request_id, text, ids, params, [r.request_id for r in core_reqs])
         return request_id
 
+    def add_pooling_request(self, prompt: Prompt, request_id: str | None = None) -> str:
+        if self.config.runner != "pooling":
+            raise ValueError("runner: embeddings need an engine started with runner='pooling'")
+        request_id = request_id or self.inputs.next_request_id()
+        if self.outputs.has(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        _, ids, core_req = self.inputs.process_pooling(request_id, prompt)
+        self.core.add_request(core_req)
+        self.outputs.add_pooling(request_id, ids)
+        return request_id
+
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.outputs.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return len(self.outputs) > 0 or self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingOutput]:
         try:
             core_outputs = self.core.run_step()
         except EngineStepError as exc:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from forerun.engine.detokenizer import IncrementalDetokenizer
 from forerun.engine.input_processor import child_id
 from forerun.engine.tokenizer import Tokenizer
-from forerun.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from forerun.outputs import CompletionOutput, EmbeddingOutput, EngineCoreOutput, RequestOutput
 from forerun.sampling_params import SamplingParams
 
 
@@ -38,6 +38,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
+        self._pooling: dict[str, list[int]] = {}  # pooling request -> prompt ids
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
             child_ids: list[str]) -> None:
@@ -51,22 +52,31 @@ class OutputProcessor:
         out = RequestOutput(request_id, prompt, prompt_ids, [c.out for c in children.values()])
         self._states[request_id] = _RequestState(out, children, time.monotonic())
 
+    def add_pooling(self, request_id: str, prompt_ids: list[int]) -> None:
+        self._pooling[request_id] = prompt_ids
+
     def has(self, request_id: str) -> bool:
-        return request_id in self._states
+        return request_id in self._states or request_id in self._pooling
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self._states.get(request_id)
         return list(state.children) if state else []
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._states) + len(self._pooling)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated RequestOutputs (one per touched request) and core ids to abort."""
+    def process(self, core_outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput | EmbeddingOutput], list[str]]:
+        """Returns the updated outputs (one per touched request) and core ids to abort."""
         touched: dict[str, RequestOutput] = {}
+        embeddings: list[EmbeddingOutput] = []
         to_abort: list[str] = []
         now = time.monotonic()
         for co in core_outputs:
+            if co.request_id in self._pooling:
+                prompt_ids = self._pooling.pop(co.request_id)
+                embeddings.append(EmbeddingOutput(co.request_id, prompt_ids, co.pooled or [], co.error))
+                continue
             parent = self._child_to_parent.get(co.request_id)
             if parent is None:
                 continue
@@ -88,7 +98,7 @@ class OutputProcessor:
             if all(c.finished for c in out.outputs):
                 out.finished = True
                 self._finish(rid, now)
-        return list(touched.values()), to_abort
+        return [*touched.values(), *embeddings], to_abort
 
     def _apply(self, comp: _Completion, co: EngineCoreOutput, to_abort: list[str]) -> None:
         out = comp.out
@@ -120,6 +130,8 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its core ids for the engine to abort."""
+        if self._pooling.pop(request_id, None) is not None:
+            return [request_id]
         state = self._states.pop(request_id, None)
         if state is None:
             return []

@@ -179,8 +179,13 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise ValueError(f"tokenizer.json: not found in {folder}")
         tokenizer_config = _read_json(folder / "tokenizer_config.json")
+        rust = _RustTokenizer.from_file(str(tokenizer_file))
+        # Some tokenizer.json files (sentence-transformers exports) pad and truncate every input to a fixed
+        # length; the engine batches by itself and checks lengths against the model's limit instead.
+        rust.no_padding()
+        rust.no_truncation()
         return cls(
-            _RustTokenizer.from_file(str(tokenizer_file)),
+            rust,
             tokenizer_config=tokenizer_config,
             generation_config=_read_json(folder / "generation_config.json"),
             model_config=_read_json(folder / "config.json"),

@@ -77,13 +77,24 @@ class ModelRunner:
             self._step = _StepInFlight([], [], None, [("prepare", t0, time.perf_counter())])
             return
         states = [self.batch.states[rid] for rid in req_ids]
-        input_ids, positions, attn, keep_idx, logits_idx = self._prepare(states, so)
+        input_ids, positions, attn, keep_idx, cu = self._prepare(states, so)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, attn)
-        logits = self.model.compute_logits(hidden[logits_idx]) if len(keep_idx) else None
-        t2 = time.perf_counter()
-        kept = [states[i] for i in keep_idx]
-        self._step = _StepInFlight(req_ids, kept, logits, [("prepare", t0, t1), ("forward", t1, t2)])
+        hidden = self._run_model(input_ids, positions, attn, cu)
+        self._after_forward(req_ids, states, hidden, keep_idx, cu, [("prepare", t0, t1)])
+
+    def _run_model(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata | None,
+                   cu: np.ndarray) -> Tensor:
+        return self.model(input_ids, positions, self.kv_caches, attn)
+
+    def _after_forward(self, req_ids: list[str], states: list[RowState], hidden: Tensor, keep_idx: list[int],
+                       cu: np.ndarray, spans: list[tuple[str, float, float]]) -> None:
+        """Generation: logits only for the rows that keep a sampled token."""
+        logits = None
+        if keep_idx:
+            logits_idx = torch.from_numpy(cu[1:][keep_idx] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[logits_idx])
+        spans.append(("forward", spans[-1][2], time.perf_counter()))
+        self._step = _StepInFlight(req_ids, [states[i] for i in keep_idx], logits, spans)
 
     def _prepare(self, states: list[RowState], so: SchedulerOutput):
         b = self.batch
@@ -98,20 +109,20 @@ class ModelRunner:
         positions = np.repeat(start - cu[:-1], n) + np.arange(total)
         input_ids = torch.from_numpy(b.token_buf[tok_rows, positions])
         seq_lens = start + n
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
-        tables = b.block_table[rows, :max_blocks]
-        slots = b.block_table[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
-            + positions % self.block_size
         keep_idx = np.nonzero(seq_lens >= known)[0]  # rows that sample a token the worker keeps
         for i, s in enumerate(states):
             s.num_computed_tokens = int(seq_lens[i])
         input_ids = input_ids.to(self.device)
         self._scatter_pending(states, start, known, cu, input_ids)
-        attn = AttentionMetadata.build(n.tolist(), seq_lens.tolist(),
-                                       torch.from_numpy(tables).to(self.device),
-                                       torch.from_numpy(slots).to(self.device), self.block_size)
-        logits_idx = torch.from_numpy(cu[1:][keep_idx] - 1).to(self.device)
-        return input_ids, torch.from_numpy(positions).to(self.device), attn, keep_idx.tolist(), logits_idx
+        attn = None
+        if self.kv_caches:  # encoder-only models keep no cache and need no block tables
+            max_blocks = int(-(-seq_lens.max() // self.block_size))
+            tables = b.block_table[rows, :max_blocks]
+            slots = b.block_table[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
+                + positions % self.block_size
+            attn = AttentionMetadata.build(n.tolist(), seq_lens.tolist(), torch.from_numpy(tables).to(self.device),
+                                           torch.from_numpy(slots).to(self.device), self.block_size)
+        return input_ids, torch.from_numpy(positions).to(self.device), attn, keep_idx.tolist(), cu
 
     def _scatter_pending(self, states: list[RowState], start: np.ndarray, known: np.ndarray,
                          cu: np.ndarray, input_ids: Tensor) -> None:

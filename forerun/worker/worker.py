@@ -13,10 +13,13 @@ import torch.distributed as dist
 
 from forerun.config import EngineConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
+from forerun.model.pooling import PoolingConfig
 from forerun.model.registry import load_model
 from forerun.platform import default_device, distributed_backend, parse_dtype
 from forerun.worker.model_runner import ModelRunner
+from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,11 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     num_layers: int
+    encoder_only: bool = False
+
+
+def is_encoder_model(hf_config: dict) -> bool:
+    return any(a.startswith("Bert") for a in hf_config.get("architectures") or [])
 
 
 class Worker:
@@ -54,11 +62,21 @@ class Worker:
         torch.manual_seed(config.seed)
         self.dtype = parse_dtype(config.dtype, self.device)
         self.tp = TPGroup(rank, world_size)
-        self.model = load_model(self.folder, self.dtype, self.device, self.tp)
+        self.hf_config = json.loads((self.folder / "config.json").read_text())
+        self.encoder_only = config.runner == "pooling" and is_encoder_model(self.hf_config)
+        if self.encoder_only:
+            if world_size > 1:
+                raise ValueError("tensor_parallel_size: encoder (embedding) models run on one rank")
+            self.model = load_bert(self.folder, self.dtype, self.device)
+        else:
+            self.model = load_model(self.folder, self.dtype, self.device, self.tp)
         self.runner: ModelRunner | None = None
 
     def model_info(self) -> ModelInfo:
-        cfg = json.loads((self.folder / "config.json").read_text())
+        cfg = self.hf_config
+        if self.encoder_only:
+            return ModelInfo(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 512)),
+                             int(cfg["num_hidden_layers"]), encoder_only=True)
         limit = int(cfg.get("max_position_embeddings") or self.model.max_position)
         return ModelInfo(self.model.vocab_size, limit, self.model.num_layers)
 
@@ -67,8 +85,10 @@ class Worker:
         return self.model.num_layers * int(torch.Size(shape).numel()) * self.dtype.itemsize
 
     def determine_num_blocks(self, max_model_len: int) -> int:
-        """Blocks this rank can hold; never more than the batch could ever use."""
+        """Blocks this rank can hold; never more than the batch could ever use (0 for encoders)."""
         cfg = self.config
+        if self.encoder_only:
+            return 0
         per_seq = -(-max_model_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -77,11 +97,19 @@ class Worker:
         return int(min(n, per_seq * cfg.max_num_seqs))
 
     def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
-        # Zeros, not empty: padded slots are read (and weighted by 0) and must never hold NaN.
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
-        self.runner = ModelRunner(self.model, caches, self.config.block_size, self.config.max_num_seqs,
-                                  max_model_len, self.model.vocab_size, self.device)
+        caches: list[torch.Tensor] = []
+        if not self.encoder_only:
+            shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
+            # Zeros, not empty: padded slots are read (and weighted by 0) and must never hold NaN.
+            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        args = (self.model, caches, self.config.block_size, self.config.max_num_seqs, max_model_len,
+                int(self.hf_config.get("vocab_size", 0)), self.device)
+        if self.config.runner == "pooling":
+            pooling = PoolingConfig.from_folder(self.folder, default="last")
+            cls = EncoderPoolingRunner if self.encoder_only else PoolingModelRunner
+            self.runner = cls(*args, pooling=pooling)
+        else:
+            self.runner = ModelRunner(*args)
         logger.info("rank %d: KV cache of %d blocks x %d tokens", self.rank, num_blocks, self.config.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
