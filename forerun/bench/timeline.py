@@ -8,7 +8,7 @@ from pathlib import Path
 from forerun.engine.step_trace import StepTrace
 
 _COLORS = {"schedule": "tab:blue", "prepare": "tab:cyan", "forward": "tab:green", "sample": "tab:olive",
-           "update": "tab:orange", "wait": "lightgray"}
+           "update": "tab:orange", "output": "tab:red", "wait": "lightgray"}
 
 
 def chrome_trace(traces: dict[str, StepTrace]) -> dict:

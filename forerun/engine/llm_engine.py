@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from forerun.config import EngineConfig
@@ -92,9 +93,12 @@ class LLMEngine:
         except EngineStepError as exc:
             self.outputs.process(exc.outputs)
             raise
+        t0 = time.perf_counter()
         request_outputs, to_abort = self.outputs.process(core_outputs)
         if to_abort:
             self.core.abort_requests(to_abort)
+        if self.core.trace is not None and core_outputs:
+            self.core.trace.span("output", self.core.scheduler.step_id, t0, requests=len(core_outputs))
         return request_outputs
 
     def shutdown(self) -> None:

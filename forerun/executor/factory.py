@@ -13,4 +13,13 @@ def make_executor(config: EngineConfig, model_folder: Path) -> Executor:
     if backend == "uni":
         from forerun.executor.uni import UniExecutor
         return UniExecutor(config, model_folder)
+    if backend == "mp":
+        from forerun.executor.mp import MultiprocExecutor
+        return MultiprocExecutor(config, model_folder)
+    if backend == "external_launcher":
+        from forerun.executor.external_launcher import ExternalLauncherExecutor
+        return ExternalLauncherExecutor(config, model_folder)
+    if backend == "ray":
+        from forerun.executor.ray_executor import RayExecutor
+        return RayExecutor(config, model_folder)
     raise ValueError(f"distributed_executor_backend: {backend!r} is not available in this build yet")

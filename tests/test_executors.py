@@ -1,0 +1,182 @@
+"""uni / mp / ray executors: identical greedy outputs at TP 1 and 2, sync and async, real run-ahead with
+TP, errors and worker deaths that surface quickly, and shutdowns that leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import save_tiny_model
+from forerun import LLM, SamplingParams
+
+PROMPTS = ["Hello", "The capital of France is a city that",
+           "One two three four five six seven eight nine ten eleven twelve", "Why"]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def varied_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """tiny_llama_dir's shape (hidden 64, 4 heads, 2 KV heads) with larger random weights: the default
+    init makes every prompt repeat one token, which would make output equality nearly vacuous."""
+    return save_tiny_model(tmp_path_factory.mktemp("varied-llama"), smollm2_dir, initializer_range=0.3)
+
+
+def make_llm(model: Path, backend: str, tp: int, async_: bool, **kw) -> LLM:
+    return LLM(model=str(model), distributed_executor_backend=backend, tensor_parallel_size=tp,
+               async_scheduling=async_, show_progress=False, **kw)
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def forerun_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("forerun")]
+
+
+def live_children() -> list[psutil.Process]:
+    """Children of this test process, less multiprocessing's resource tracker (it lives as long as we do)."""
+    out = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_clean() -> None:
+    assert forerun_threads() == []
+    assert live_children() == []
+
+
+@pytest.fixture(scope="module")
+def reference(varied_llama_dir) -> list[list[int]]:
+    with make_llm(varied_llama_dir, "uni", 1, False) as llm:
+        outs = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert len({tuple(t) for t in outs}) == len(PROMPTS)
+    assert all(len(set(t)) > 4 for t in outs)  # not one repeated token
+    return outs
+
+
+def test_uni_async_matches_sync(varied_llama_dir, reference):
+    with make_llm(varied_llama_dir, "uni", 1, True) as llm:
+        assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+
+
+@pytest.mark.parametrize("tp,async_", [(1, False), (1, True), (2, False)])
+def test_mp_matches_uni(varied_llama_dir, reference, tp, async_):
+    llm = make_llm(varied_llama_dir, "mp", tp, async_)
+    assert len(live_children()) == tp
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    llm.shutdown()
+    assert_clean()
+
+
+def test_mp_tp2_async_runs_ahead(varied_llama_dir, reference):
+    """Two batches really in flight with TP 2; max_tokens exact; an EOS-style stop costs one dead token."""
+    llm = make_llm(varied_llama_dir, "mp", 2, True, trace=True)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert token_ids(outs) == reference
+    assert all(len(t) == MAX_TOKENS for t in token_ids(outs))
+    events = llm.engine.core.trace.events
+    schedule = {e.step: e.begin for e in events if e.name == "schedule"}
+    update = {e.step: e.begin for e in events if e.name == "update"}
+    ahead = [s for s in update if s + 1 in schedule and schedule[s + 1] < update[s]]
+    assert len(ahead) >= MAX_TOKENS - 2  # nearly every step was scheduled before its predecessor was applied
+    assert llm.engine.core.trace.dead_tokens() == 0  # length stops never cost a dead token
+    forwards = [e for e in events if e.name == "forward"]
+    assert forwards and all(e.thread == "forerun-rank0" for e in forwards)
+
+    stop_tok = reference[1][5]
+    cut = reference[1].index(stop_tok)
+    before = len(events)
+    out = llm.generate([PROMPTS[1]], greedy(stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids)[:cut] == reference[1][:cut]
+    assert len(out.outputs[0].token_ids) in (cut, cut + 1)  # with or without the stop token, never past it
+    while llm.engine.has_unfinished_requests():  # apply the step still in flight when generate returned
+        llm.engine.step()
+    new = events[before:]
+    assert sum(len(e.args.get("dead_tokens", ())) for e in new) == 1
+    llm.shutdown()
+    assert_clean()
+
+
+def test_mp_default_model(smollm2_dir):
+    """SmolLM2-135M has 9 query and 3 KV heads: TP 2 cannot split it (a clear start-up error), TP 3 can."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with pytest.raises(RuntimeError, match="num_attention_heads: 9 is not divisible by tensor-parallel size 2"):
+        make_llm(smollm2_dir, "mp", 2, True)
+    assert_clean()
+    with make_llm(smollm2_dir, "uni", 1, False) as llm:
+        ref = token_ids(llm.generate(prompts, greedy(8), use_tqdm=False))
+    with make_llm(smollm2_dir, "mp", 3, True) as llm:
+        assert token_ids(llm.generate(prompts, greedy(8), use_tqdm=False)) == ref
+    assert_clean()
+
+
+def test_mp_worker_killed_mid_generation(varied_llama_dir):
+    llm = make_llm(varied_llama_dir, "mp", 2, True)
+    victim = llm.engine.core.executor.procs[1].pid
+    killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+    t0 = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(Exception, match=r"rank 1 .*died"):
+            llm.generate(PROMPTS * 4, greedy(900, ignore_eos=True), use_tqdm=False)
+    finally:
+        killer.cancel()
+    assert time.monotonic() - t0 < 11
+    deadline = time.monotonic() + 5
+    while live_children() and time.monotonic() < deadline:  # the monitor ends the surviving rank
+        time.sleep(0.1)
+    assert live_children() == []
+    with pytest.raises(RuntimeError, match="died"):
+        llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    llm.shutdown()
+    assert_clean()
+
+
+def test_mp_worker_exception_reaches_caller(varied_llama_dir):
+    llm = make_llm(varied_llama_dir, "mp", 2, False)
+    executor = llm.engine.core.executor
+    assert len(set(executor.collective_rpc("ping"))) == 2  # two distinct worker pids
+    with pytest.raises(RuntimeError, match="AttributeError"):
+        executor.collective_rpc("no_such_method")
+    with pytest.raises(RuntimeError):
+        executor.check_health()
+    llm.shutdown()
+    assert_clean()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_ray_tp2_matches_uni(varied_llama_dir, reference, local_ray, async_):
+    llm = make_llm(varied_llama_dir, "ray", 2, async_)
+    pids = llm.engine.core.executor.pids
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    llm.shutdown()
+    assert forerun_threads() == []
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)

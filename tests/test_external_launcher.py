@@ -1,0 +1,87 @@
+"""external_launcher: every torchrun rank runs its own engine and gets the same outputs as `uni`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import save_tiny_model
+from forerun import LLM, SamplingParams
+from forerun.config import EngineConfig
+from forerun.executor.external_launcher import ExternalLauncherExecutor
+from forerun.executor.mp import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["Hello", "The capital of France is a city that",
+           "One two three four five six seven eight nine ten eleven twelve", "Why"]
+
+# Each rank builds a sync and then an async engine in one process (the second reuses the process
+# group, which the engine leaves to the script), and writes both outputs to its own file.
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch.distributed as dist
+    from forerun import LLM, SamplingParams
+    model, out_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    result = {}
+    for mode in ("sync", "async"):
+        llm = LLM(model=model, distributed_executor_backend="external_launcher",
+                  tensor_parallel_size=int(os.environ["WORLD_SIZE"]), async_scheduling=mode == "async",
+                  show_progress=False)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        result[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        llm.shutdown()
+    dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(result, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def varied_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """tiny_llama_dir's shape with larger random weights, so greedy outputs are not one repeated token."""
+    return save_tiny_model(tmp_path_factory.mktemp("varied-llama"), smollm2_dir, initializer_range=0.3)
+
+
+def test_torchrun_tp2_matches_uni_sync_and_async(varied_llama_dir, tmp_path):
+    with LLM(model=str(varied_llama_dir), distributed_executor_backend="uni", async_scheduling=False,
+             show_progress=False) as llm:
+        ref = [list(o.outputs[0].token_ids)
+               for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)]
+    script = tmp_path / "rank_script.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script), str(varied_llama_dir), str(tmp_path), json.dumps(PROMPTS)]
+    # Own session, so a timeout can end the ranks too, not only torchrun.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+    assert proc.returncode == 0, log[-4000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["sync"] == ref, f"rank {rank} sync"
+        assert result["async"] == ref, f"rank {rank} async"
+
+
+def test_missing_launcher_environment_is_a_clear_error(monkeypatch, varied_llama_dir):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK"):
+        ExternalLauncherExecutor(EngineConfig(tensor_parallel_size=2), varied_llama_dir)
+
+
+def test_world_size_must_match_tensor_parallel_size(monkeypatch, varied_llama_dir):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ExternalLauncherExecutor(EngineConfig(tensor_parallel_size=4), varied_llama_dir)
