@@ -101,6 +101,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_embed(args: argparse.Namespace) -> int:
+    from forerun.bench.embed_bench import run
+    run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forerun", description="An LLM serving engine that schedules one step ahead.")
     parser.add_argument("--log-level", default="WARNING")
@@ -133,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from forerun.bench.serve_bench import add_args as add_serve_bench_args
     add_serve_bench_args(p)
     p.set_defaults(fn=cmd_bench_serve)
+    p = bench.add_parser("embed", help="embeddings per second, forerun vs transformers")
+    from forerun.bench.embed_bench import add_args as add_embed_bench_args
+    add_embed_bench_args(p)
+    p.set_defaults(fn=cmd_bench_embed)
     return parser
 
 

@@ -1,0 +1,45 @@
+"""The `forerun` command, run as a user would: generate, chat, bench throughput with its timeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def forerun(*args: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forerun.entrypoints.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_the_default_model_answer():
+    res = forerun("generate", "The capital of France is", "--max-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+
+
+def test_chat_keeps_the_conversation(tiny_llama_dir):
+    res = forerun("chat", "--model", str(tiny_llama_dir), "--max-tokens", "3", stdin="hello\nand again\n\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("> ") >= 3  # a prompt for each turn, and one for the empty line that ends it
+
+
+def test_bad_flag_value_is_a_clear_error(tiny_llama_dir):
+    res = forerun("generate", "x", "--model", str(tiny_llama_dir), "--block-size", "0")
+    assert res.returncode == 2 and "block_size" in res.stderr
+
+
+def test_bench_throughput_compare_async_writes_trace_and_plot(tmp_path, tiny_llama_dir):
+    trace, plot, out = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "r.json"
+    res = forerun("bench", "throughput", "--model", str(tiny_llama_dir), "--num-prompts", "8", "--input-len", "16",
+                  "--output-len", "8", "--vary-lengths", "--compare-async", "--trace", str(trace), "--plot", str(plot),
+                  "--output-json", str(out))
+    assert res.returncode == 0, res.stderr
+    result = json.loads(out.read_text())
+    for mode in ("sync", "async"):
+        assert result[mode]["output_tokens"] > 0 and 0 < result[mode]["busy_fraction"] <= 1
+    assert result["speedup_async_over_sync"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events}
+    assert {"schedule", "forward", "sample", "update"} <= names
+    assert plot.stat().st_size > 10_000
