@@ -29,6 +29,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="a tiny random Llama with the default tokenizer (overhead-bound workload)")
     parser.add_argument("--random-hidden", type=int, default=256)
     parser.add_argument("--random-layers", type=int, default=4)
+    parser.add_argument("--random-vocab", type=int, default=8192, help="LM-head width of the random model")
     parser.add_argument("--compare-async", action="store_true", help="run sync then async in this process")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers generate (static batches)")
     parser.add_argument("--trace", type=Path, help="write the step timeline (Chrome trace JSON)")
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.random_model:
         tmp = tempfile.TemporaryDirectory(prefix="forerun-bench-")
         folder = make_tiny_llama(Path(tmp.name), resolve_model(config.model, show_progress=False),
-                                 args.random_hidden, args.random_layers)
+                                 args.random_hidden, args.random_layers, vocab=args.random_vocab)
         config = dataclasses.replace(config, model=str(folder))
     folder = resolve_model(config.model)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]

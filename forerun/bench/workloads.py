@@ -35,15 +35,19 @@ def random_workload(vocab_size: int, num_prompts: int, input_len: int, output_le
     return Workload(prompts, params)
 
 
-def make_tiny_llama(out: Path, tokenizer_folder: Path, hidden: int = 256, layers: int = 4, seed: int = 0) -> Path:
-    """A random Llama (forerun's own safetensors writer, no transformers needed) with the given tokenizer."""
+def make_tiny_llama(out: Path, tokenizer_folder: Path, hidden: int = 256, layers: int = 4, seed: int = 0,
+                    vocab: int | None = None) -> Path:
+    """A random Llama (forerun's own safetensors writer, no transformers needed) with the given tokenizer.
+
+    `vocab` may be smaller than the tokenizer's: ids below it still detokenize, and a small LM head keeps the
+    model's share of a step small (an overhead-bound workload)."""
     import shutil
 
     import torch
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = json.loads((tokenizer_folder / "config.json").read_text())["vocab_size"]
+    vocab = vocab or json.loads((tokenizer_folder / "config.json").read_text())["vocab_size"]
     heads, kv_heads, inter = max(1, hidden // 64), max(1, hidden // 128), hidden * 3
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,

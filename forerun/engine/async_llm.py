@@ -17,7 +17,7 @@ from forerun.engine.input_processor import InputProcessor, Prompt
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.tokenizer import Tokenizer
 from forerun.model.model_source import resolve_model
-from forerun.outputs import RequestOutput
+from forerun.outputs import EmbeddingOutput, RequestOutput
 from forerun.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,11 +29,11 @@ class _Aborted:
     """Queued by `abort`: the stream ends quietly."""
 
 
-_Item = RequestOutput | BaseException | _Aborted
+_Item = RequestOutput | EmbeddingOutput | BaseException | _Aborted
 
 
 class AsyncLLM:
-    """One engine core process shared by many concurrent `generate` calls.
+    """One engine core process shared by many concurrent `generate` (or, for pooling, `embed`) calls.
 
     Invariants: every `generate` call ends, with its finished output, an exception, or by the caller
     leaving (which aborts the request in the core); a request id is in use by at most one call at a
@@ -43,9 +43,8 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, show_progress: bool = False) -> None:
         config.validate()
-        if config.runner != "generate":
-            raise ValueError("runner: the async engine serves generation models only")
         self.config = config
+        self.runner = config.runner
         self.model_folder: Path = resolve_model(config.model, show_progress=show_progress)
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
         self.core = EngineCoreProcess(config, self.model_folder)
@@ -96,11 +95,7 @@ class AsyncLLM:
 
         Raises ValueError for bad input (also when the core refuses the request) and EngineDeadError.
         """
-        self.start()
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if request_id in self._queues or self.outputs.has(request_id):
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_can_add(request_id, "generate")
         text, ids, core_reqs = self.inputs.process(request_id, prompt, params)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         child_ids = [r.request_id for r in core_reqs]
@@ -132,6 +127,52 @@ class AsyncLLM:
             if not finished:
                 self._abort(request_id)  # the caller left (disconnect, cancel) before the end
             self._forget(request_id)
+
+    async def embed(self, prompt: Prompt, request_id: str) -> EmbeddingOutput:
+        """The pooled vector of one input (needs runner "pooling").
+
+        Raises ValueError for bad input (also when the core refuses it), EngineDeadError, and
+        RuntimeError when the engine ended the request with an error.
+        """
+        self._check_can_add(request_id, "pooling")
+        _, ids, core_req = self.inputs.process_pooling(request_id, prompt)
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._children[request_id] = [request_id]
+        self._core_to_req[request_id] = request_id
+        self.outputs.add_pooling(request_id, ids)
+        finished = False
+        try:
+            try:
+                self.core.add_requests([core_req])
+            except EngineDeadError as exc:
+                self._fail_all(f"engine is down: {exc}", abort_in_core=False)
+                raise EngineDeadError(self._dead or str(exc)) from None
+            item = await queue.get()
+            finished = True
+            if isinstance(item, _Aborted):
+                raise RuntimeError(f"request {request_id!r} was aborted")
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, EmbeddingOutput)
+            if item.error:
+                raise RuntimeError(f"embedding failed: {item.error}")
+            return item
+        finally:
+            if not finished:
+                self._abort(request_id)  # the caller left (disconnect, cancel) before the vector came
+            self._forget(request_id)
+
+    def _check_can_add(self, request_id: str, runner: str) -> None:
+        self.start()
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self.runner != runner:
+            what = "embeddings need" if runner == "pooling" else "text generation needs"
+            raise ValueError(f"runner: {what} a model served with --runner {runner}; this engine runs "
+                             f"--runner {self.runner}")
+        if request_id in self._queues or self.outputs.has(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
 
     async def abort(self, request_id: str) -> None:
         """Stop a request: the core frees its blocks and its `generate` stream ends without more outputs."""
@@ -211,7 +252,9 @@ class AsyncLLM:
             self._abort_in_core(to_abort)  # completions stopped by a stop string
             for out in request_outputs:
                 queue = self._queues.get(out.request_id)
-                if queue is not None:
+                if queue is not None and isinstance(out, EmbeddingOutput):
+                    queue.put_nowait(out)  # final and never mutated again: no copy needed
+                elif queue is not None:
                     # The processor mutates its outputs in place: hand the caller a frozen copy, so a
                     # reader that falls behind still sees every delta.
                     queue.put_nowait(self._snapshot(out))

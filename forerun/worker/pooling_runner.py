@@ -35,30 +35,34 @@ class PoolingModelRunner(ModelRunner):
 
     def _after_forward(self, req_ids: list[str], states: list[RowState], hidden: Tensor, keep_idx: list[int],
                        cu: np.ndarray, spans: list[tuple[str, float, float]]) -> None:
+        # One reduction or gather for the whole batch: a per-request loop of small tensor ops costs more
+        # than the pooling itself (each op pays the thread pool's wake-up).
+        n = len(states)
+        starts = torch.from_numpy(np.asarray(cu[:n], dtype=np.int64))
+        ends = torch.from_numpy(np.asarray(cu[1:n + 1], dtype=np.int64))
+        if self.pooling.method == "mean":
+            seg = torch.repeat_interleave(torch.arange(n, device=hidden.device), (ends - starts).to(hidden.device))
+            rows = hidden.new_zeros((n, hidden.shape[1]), dtype=torch.float32)
+            rows.index_add_(0, seg, hidden[:int(cu[n])].float())
+        else:
+            rows = hidden.index_select(0, (starts if self.pooling.method == "cls" else ends - 1).to(hidden.device))
+            rows = rows.float()
         done = set(keep_idx)
-        vectors: list[Tensor] = []
-        finished: list[str] = []
-        for i, s in enumerate(states):
-            rows = hidden[int(cu[i]):int(cu[i + 1])].float()
-            if self.pooling.method == "mean":
-                acc = self._partial.get(s.req_id)
-                total = rows.sum(0) if acc is None else acc + rows.sum(0)
-                self._partial[s.req_id] = total
-                vec = total / s.num_prompt_tokens
-            elif self.pooling.method == "cls":
-                vec = self._partial.setdefault(s.req_id, rows[0])
-            else:
-                vec = rows[-1]
-            if i in done:
-                vectors.append(vec)
-                finished.append(s.req_id)
-                self._partial.pop(s.req_id, None)
+        for i, s in enumerate(states):  # only prompts that span several chunks carry state between steps
+            acc = self._partial.pop(s.req_id, None)
+            if acc is not None:
+                rows[i] = rows[i] + acc if self.pooling.method == "mean" else acc
+            if i not in done and self.pooling.method != "last":
+                self._partial[s.req_id] = rows[i].clone()
         self._pooled = {}
-        if vectors:
-            out = torch.stack(vectors)
+        if keep_idx:
+            out = rows[keep_idx]
+            if self.pooling.method == "mean":
+                lens = torch.tensor([states[i].num_prompt_tokens for i in keep_idx], dtype=torch.float32)
+                out = out / lens.to(out.device)[:, None]
             if self.pooling.normalize:
                 out = F.normalize(out, p=2.0, dim=-1)
-            self._pooled = dict(zip(finished, out.cpu().tolist()))
+            self._pooled = dict(zip([states[i].req_id for i in keep_idx], out.cpu().tolist()))
         spans.append(("forward", spans[-1][2], time.perf_counter()))
         self._spans, self._req_ids = spans, req_ids
 

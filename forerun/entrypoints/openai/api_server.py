@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+from http import HTTPStatus
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -18,11 +19,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from forerun.engine.async_llm import AsyncLLM, EngineDeadError
 from forerun.entrypoints.engine_args import engine_config_from_args
-from forerun.entrypoints.openai.errors import error_body, error_response, install_error_handlers
+from forerun.entrypoints.openai.errors import APIError, error_body, error_response, install_error_handlers
 from forerun.entrypoints.openai.metrics import ServerMetrics
 from forerun.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from forerun.entrypoints.openai.serving_chat import OpenAIServingChat
 from forerun.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from forerun.entrypoints.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     metrics = ServerMetrics(served_model_name)
     completions = OpenAIServingCompletion(engine, served_model_name, metrics)
     chat = OpenAIServingChat(engine, served_model_name, metrics)
+    embeddings = OpenAIServingEmbedding(engine, served_model_name, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -72,13 +75,26 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        _require_generation(engine)
         return await completions.create(body, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        _require_generation(engine)
         return await chat.create(body, raw)
 
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await embeddings.create(body, raw)
+
     return app
+
+
+def _require_generation(engine: AsyncLLM) -> None:
+    if engine.runner != "generate":
+        raise APIError(HTTPStatus.BAD_REQUEST, f"runner: this server runs a {engine.runner} (embedding) model; "
+                       "use /v1/embeddings, or serve a generation model for completions",
+                       param="model", code="model_not_supported")
 
 
 class _ApiKeyMiddleware:
