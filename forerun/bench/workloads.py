@@ -55,20 +55,22 @@ def make_tiny_llama(out: Path, tokenizer_folder: Path, hidden: int = 256, layers
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     d = hidden // heads
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.05
+        # numpy, not torch: the benchmark's main thread must not start an OpenMP pool of its own.
+        return torch.from_numpy((rng.standard_normal(shape) * 0.05).astype(np.float32))
 
-    tensors = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
+    ones = lambda n: torch.from_numpy(np.ones(n, np.float32))  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": ones(hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors |= {p + "self_attn.q_proj.weight": w(heads * d, hidden), p + "self_attn.k_proj.weight": w(kv_heads * d, hidden),
                     p + "self_attn.v_proj.weight": w(kv_heads * d, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * d),
                     p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-                    p + "mlp.down_proj.weight": w(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
-                    p + "post_attention_layernorm.weight": torch.ones(hidden)}
+                    p + "mlp.down_proj.weight": w(hidden, inter), p + "input_layernorm.weight": ones(hidden),
+                    p + "post_attention_layernorm.weight": ones(hidden)}
     save_file(tensors, str(out / "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         if (tokenizer_folder / name).exists():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -13,34 +12,25 @@ from forerun.worker.worker import Worker
 
 
 class UniExecutor(Executor):
-    """One worker in this process.
+    """One worker in this process, on its own thread, in both modes.
 
-    In async mode every call goes to a single worker thread, so the forward pass runs while the
-    engine thread schedules the next step (PyTorch releases the GIL inside its kernels) and calls
-    complete in submission order. In sync mode calls run inline: no thread hop to pay for.
+    Every call goes to a single worker thread, so calls complete in submission order; in async mode
+    the forward pass runs there while the engine thread schedules the next step (PyTorch releases the
+    GIL inside its kernels). Sync mode uses the same thread so that all of the model's work happens on
+    one thread: each thread that runs parallel ops gets its own OpenMP pool, and two pools on two cores
+    oversubscribe them, which makes libgomp sleep between parallel regions and small ops several times
+    slower (measured in the README's benchmark notes).
     """
 
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forerun-worker") if config.async_scheduling else None
-        self._lock = threading.Lock()
-        self.worker = self._run(lambda: Worker(config, model_folder))
-
-    def _run(self, fn):
-        return fn() if self._pool is None else self._pool.submit(fn).result()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="forerun-worker")
+        self.worker = self._pool.submit(Worker, config, model_folder).result()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        non_block: bool = False) -> list[Any] | Future:
-        call = lambda: [getattr(self.worker, method)(*args, **(kwargs or {}))]  # noqa: E731
         if self._pool is None:
-            if not non_block:
-                return call()
-            fut: Future = Future()
-            try:
-                fut.set_result(call())
-            except Exception as exc:  # the caller sees it when it waits, as with a real worker
-                fut.set_exception(exc)
-            return fut
-        fut = self._pool.submit(call)
+            raise RuntimeError("executor is shut down")
+        fut = self._pool.submit(lambda: [getattr(self.worker, method)(*args, **(kwargs or {}))])
         return fut if non_block else fut.result()
 
     def shutdown(self) -> None:
