@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forerun.bench.workloads import Workload, make_tiny_llama, random_workload
+from forerun.bench.workloads import Workload, make_tiny_llama, random_workload, with_structured_ratio
 from forerun.config import EngineConfig
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.step_trace import StepTrace
@@ -31,6 +31,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-layers", type=int, default=4)
     parser.add_argument("--random-vocab", type=int, default=8192, help="LM-head width of the random model")
     parser.add_argument("--compare-async", action="store_true", help="run sync then async in this process")
+    parser.add_argument("--structured-output-ratio", type=float, default=0.0,
+                        help="share of requests constrained to a JSON schema")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers generate (static batches)")
     parser.add_argument("--trace", type=Path, help="write the step timeline (Chrome trace JSON)")
     parser.add_argument("--plot", type=Path, help="draw the sync/async step timelines (PNG)")
@@ -42,7 +44,9 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True) -> tu
     config = dataclasses.replace(config, trace=trace)
     engine = LLMEngine(config, show_progress=False)
     try:
-        _drain(engine, workload.prompts[:2], workload.params[:2])  # warm-up: allocator, first-call costs
+        # Warm-up: allocator, first-call costs, and the grammar compile (cached and shared afterwards).
+        warm = [0, 1] + [i for i, p in enumerate(workload.params) if p.structured_outputs is not None][:1]
+        _drain(engine, [workload.prompts[i] for i in warm], [workload.params[i] for i in warm])
         if engine.trace is not None:
             engine.trace.events.clear()
         steps0 = engine.core.scheduler.step_id
@@ -114,9 +118,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     workload = random_workload(vocab, args.num_prompts, args.input_len, args.output_len, args.vary_lengths,
                                ignore_eos=not args.eos, seed=config.seed)
+    if args.structured_output_ratio:
+        workload = with_structured_ratio(workload, args.structured_output_ratio, config.seed)
     result: dict[str, Any] = {"model": str(config.model or "default"), "num_prompts": args.num_prompts,
                               "input_len": args.input_len, "output_len": args.output_len,
-                              "vary_lengths": args.vary_lengths, "eos": args.eos}
+                              "vary_lengths": args.vary_lengths, "eos": args.eos,
+                              "structured_output_ratio": args.structured_output_ratio}
     traces: dict[str, StepTrace] = {}
     modes = [False, True] if args.compare_async else [config.async_scheduling]
     for mode in modes:

@@ -35,6 +35,25 @@ def random_workload(vocab_size: int, num_prompts: int, input_len: int, output_le
     return Workload(prompts, params)
 
 
+PERSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[A-Za-z ]{1,24}$"}, "age": {"type": "integer"},
+    "city": {"type": "string", "pattern": "^[A-Za-z ]{1,24}$"}, "member": {"type": "boolean"}},
+    "required": ["name", "age", "city", "member"], "additionalProperties": False}
+
+
+def with_structured_ratio(workload: Workload, ratio: float, seed: int = 0) -> Workload:
+    """Give a `ratio` share of the requests a JSON schema with a few typed fields (they stop when it closes)."""
+    from forerun.structured.spec import StructuredOutputsParams
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"structured_output_ratio: must be in [0, 1], got {ratio}")
+    rng = np.random.default_rng(seed)
+    chosen = set(rng.permutation(len(workload.prompts))[:round(ratio * len(workload.prompts))].tolist())
+    spec = StructuredOutputsParams(json=PERSON_SCHEMA)
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, structured_outputs=spec) if i in chosen else p
+              for i, p in enumerate(workload.params)]
+    return Workload(workload.prompts, params)
+
+
 def make_tiny_llama(out: Path, tokenizer_folder: Path, hidden: int = 256, layers: int = 4, seed: int = 0,
                     vocab: int | None = None) -> Path:
     """A random Llama (forerun's own safetensors writer, no transformers needed) with the given tokenizer.
