@@ -9,6 +9,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, processors
 
+from forerun.byte_alphabet import byte_level_alphabet
+
 logger = logging.getLogger(__name__)
 
 # llama.cpp token types (gguf.TokenType): 3 is CONTROL, 4 is USER_DEFINED.
@@ -65,22 +67,6 @@ def vocab_from_metadata(meta: dict[str, Any]) -> GgufVocab:
     )
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table.
-
-    Printable Latin-1 bytes stand for themselves; the rest (controls, space, ...) are moved to
-    code points from 256 upward, in byte order, so that every byte has a visible spelling.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in keep}
-    moved = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + moved)
-            moved += 1
-    return table
-
-
 def _byte_level_spelling(token: str, alphabet: dict[int, str], letters: frozenset[str]) -> str:
     # Most GGUF files store tokens already spelled byte-level; a few store raw text (e.g. spaces).
     if set(token) <= letters:
@@ -111,7 +97,7 @@ def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
     Control tokens become special added tokens (never split, skipped by `skip_special_tokens`);
     user-defined tokens become plain added tokens.
     """
-    alphabet = _byte_alphabet()
+    alphabet = byte_level_alphabet()
     letters = frozenset(alphabet.values())
     spelled = [
         tok if kind in (_CONTROL, _USER_DEFINED) else _byte_level_spelling(tok, alphabet, letters)

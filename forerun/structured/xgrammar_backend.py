@@ -20,6 +20,7 @@ import tokenizers
 import torch
 import xgrammar as xgr
 
+from forerun.byte_alphabet import byte_level_alphabet
 from forerun.structured.backend import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
 from forerun.structured.spec import (
     KIND_CHOICE,
@@ -35,22 +36,6 @@ logger = logging.getLogger(__name__)
 
 # xgrammar prefixes its errors with "[time] /path/file.cc:line: "; users need only the rest.
 _XGR_ERROR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
-
-
-def _byte_level_alphabet() -> dict[int, str]:
-    """The byte -> printable character map of byte-level BPE (GPT-2 style) vocabularies.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to U+0100 and
-    up, in byte order, so every vocabulary entry is printable text.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + shifted)
-            shifted += 1
-    return table
 
 
 def _decoder_types(decoder: dict[str, Any] | None) -> Iterator[str]:
@@ -120,7 +105,7 @@ def build_tokenizer_info(
     for text, token_id in vocab.items():
         if token_id < vocab_size:
             encoded[token_id] = text
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     for token_id, added in tokenizer.get_added_tokens_decoder().items():
         if token_id >= vocab_size:
             continue
