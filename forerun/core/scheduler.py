@@ -135,13 +135,14 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, new_reqs)
 
+        new_ids = {r.request_id for r in new_reqs}
         for req in self.running:
             n = num_scheduled.get(req.request_id)
             if n is None:
                 continue
             req.num_computed_tokens += n
             self._on_scheduled(req, n)
-            if req.request_id not in {r.request_id for r in new_reqs}:
+            if req.request_id not in new_ids:
                 ids = self.kv.block_ids(req.request_id)
                 sent = self._sent_blocks.get(req.request_id, 0)
                 cached_reqs.append(CachedRequestData(req.request_id, ids[sent:], req.num_computed_tokens - n))
