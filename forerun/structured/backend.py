@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from forerun.structured.spec import GrammarKey
@@ -81,7 +82,9 @@ class StructuredOutputBackend(ABC):
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A packed [num_rows, ceil(vocab_size / 32)] int32 bitmask with every token allowed."""
         words = (self.vocab_size + 31) // 32
-        return torch.full((num_rows, words), -1, dtype=torch.int32)
+        # numpy fills it: a torch op of this size would start an OpenMP pool on the engine thread, and a
+        # second pool beside the worker's oversubscribes the cores (see forerun/executor/uni.py).
+        return torch.from_numpy(np.full((num_rows, words), -1, dtype=np.int32))
 
     def close(self) -> None:
         """Release backend resources (caches); the default holds none beyond Python objects."""

@@ -63,9 +63,11 @@ def grammar_bad_token_mask(grammar: GrammarOutput, req_ids: list[str], vocab_siz
     bitmask = torch.as_tensor(grammar.bitmask).to(device)
     dst = torch.tensor([r[0] for r in rows], device=device)
     src = torch.tensor([r[1] for r in rows], device=device)
-    shifts = torch.arange(32, device=device, dtype=torch.int32)
-    bits = (bitmask[src].unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
-    allowed = bits.reshape(len(rows), -1)[:, :vocab_size].bool()
+    # Little-endian int32 words viewed as bytes keep token order (byte k holds tokens 8k..8k+7), so one
+    # lookup in a 256 x 8 table unpacks every bit at once.
+    table = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
+    packed = bitmask[src].contiguous().view(torch.uint8).long()
+    allowed = table.bool()[packed].reshape(len(rows), -1)[:, :vocab_size]
     if allowed.shape[1] < vocab_size:  # ids beyond the grammar's vocabulary are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
     mask = torch.zeros(len(req_ids), vocab_size, dtype=torch.bool, device=device)
