@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,6 +37,17 @@ class ModelInfo:
 
 def is_encoder_model(hf_config: dict) -> bool:
     return any(a.startswith("Bert") for a in hf_config.get("architectures") or [])
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros, not empty: padded slots are read (and weighted by 0) and must never hold NaN.
+
+    On CPU numpy's calloc maps fresh zero pages that the kernel fills on first touch, so a large KV
+    cache costs nothing at start-up (torch.zeros would write every byte: about 0.4 s per GiB here).
+    """
+    if device.type == "cpu" and dtype in (torch.float32, torch.float16):
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float16))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class Worker:
@@ -100,8 +112,7 @@ class Worker:
         caches: list[torch.Tensor] = []
         if not self.encoder_only:
             shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
-            # Zeros, not empty: padded slots are read (and weighted by 0) and must never hold NaN.
-            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+            caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.model.num_layers)]
         args = (self.model, caches, self.config.block_size, self.config.max_num_seqs, max_model_len,
                 int(self.hf_config.get("vocab_size", 0)), self.device)
         if self.config.runner == "pooling":
