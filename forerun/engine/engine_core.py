@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -127,6 +127,7 @@ class EngineCore:
             return []
         sched = self._schedule()
         if sched.is_empty:
+            self._wait_for_grammars()
             return []
         try:
             self.executor.execute_model(sched)
@@ -147,6 +148,7 @@ class EngineCore:
             return None  # fill the queue before collecting
         if not self.batch_queue:
             self._apply_aborts()
+            self._wait_for_grammars()
             return []
         oldest = self.batch_queue.popleft()
         t0 = time.perf_counter()
@@ -174,6 +176,14 @@ class EngineCore:
         return _InFlight(sched, execute, sample)
 
     # ---- shared pieces -------------------------------------------------------------------------
+    def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:
+        """Nothing could run: block briefly on a compiling grammar instead of spinning empty steps
+        (which would also take the core the compile thread needs)."""
+        pending = [r.grammar_future for r in self.scheduler.waiting
+                   if r.grammar_future is not None and not r.grammar_future.done()]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
