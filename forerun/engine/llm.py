@@ -85,6 +85,8 @@ class LLM:
                         out_tokens += sum(len(c.token_ids) for c in getattr(out, "outputs", ()))
                         bar.update(1)
                         bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+            while self.engine.core.batch_queue:  # async: collect the step still in flight (its dead tokens)
+                self.engine.step()
         finally:
             bar.close()
         return [done[rid] for rid in ids]
