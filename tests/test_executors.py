@@ -113,6 +113,23 @@ def test_mp_tp2_async_runs_ahead(varied_llama_dir, reference):
     assert_clean()
 
 
+def test_mp_tp4_async_runs_ahead(tmp_path, smollm2_dir, reference):
+    """TP 4 (four worker processes): same tokens as one rank, and the run-ahead is intact."""
+    folder = save_tiny_model(tmp_path / "tp4", smollm2_dir, initializer_range=0.3, num_key_value_heads=4)
+    with make_llm(folder, "uni", 1, False) as llm:
+        want = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    llm = make_llm(folder, "mp", 4, True, trace=True)
+    assert len(live_children()) == 4
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == want
+    events = llm.engine.core.trace.events
+    schedule = {e.step: e.begin for e in events if e.name == "schedule"}
+    update = {e.step: e.begin for e in events if e.name == "update"}
+    ahead = [s for s in update if s + 1 in schedule and schedule[s + 1] < update[s]]
+    assert len(ahead) >= MAX_TOKENS - 2
+    llm.shutdown()
+    assert_clean()
+
+
 def test_mp_default_model(smollm2_dir):
     """SmolLM2-135M has 9 query and 3 KV heads: TP 2 cannot split it (a clear start-up error), TP 3 can."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
@@ -181,19 +198,3 @@ def test_ray_tp2_matches_uni(varied_llama_dir, reference, local_ray, async_):
         time.sleep(0.2)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
-
-def test_mp_tp4_async_runs_ahead(tmp_path, smollm2_dir, reference):
-    """TP 4 (four worker processes): same tokens as one rank, and the run-ahead is intact."""
-    folder = save_tiny_model(tmp_path / "tp4", smollm2_dir, initializer_range=0.3, num_key_value_heads=4)
-    with make_llm(folder, "uni", 1, False) as llm:
-        want = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
-    llm = make_llm(folder, "mp", 4, True, trace=True)
-    assert len(live_children()) == 4
-    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == want
-    events = llm.engine.core.trace.events
-    schedule = {e.step: e.begin for e in events if e.name == "schedule"}
-    update = {e.step: e.begin for e in events if e.name == "update"}
-    ahead = [s for s in update if s + 1 in schedule and schedule[s + 1] < update[s]]
-    assert len(ahead) >= MAX_TOKENS - 2
-    llm.shutdown()
-    assert_clean()

@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from forerun.model.attention import AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
