@@ -5,10 +5,9 @@ Order of operations for one step (all math in float32):
   2. penalties (repetition, then frequency and presence),
   3. logprobs from log_softmax of those logits,
   4. greedy rows: argmax; random rows: temperature, top-k, top-p, min-p, then an
-     exponential race (argmax of probs / Exponential(1) noise).
+     inverse-CDF draw (one uniform number per row against the cumulative probabilities).
 
-Nothing here loops over rows in Python except drawing noise from per-request
-seeded generators, and nothing reads a tensor value back to the host, so on a
+Nothing here loops over rows in Python except drawing from per-request seeded generators, and nothing reads a tensor value back to the host, so on a
 GPU the whole step is queued without a synchronisation.
 """
 
@@ -44,8 +43,8 @@ class Sampler:
     """Turns a [B, V] batch of logits into one token per row.
 
     Invariant: a row's result depends only on its own logits, its own
-    parameters and its own noise. A row with a seeded generator draws exactly
-    one noise vector of size V from it per call (greedy rows included, so the
+    parameters and its own random number. A row with a seeded generator draws
+    exactly one number from it per call (greedy rows included, so the
     generator's position depends only on how many tokens the request has
     sampled), which makes seeded results independent of batch composition.
     The input logits are never modified.
@@ -236,7 +235,7 @@ def _cutoff_from_largest(x: Tensor, keep_k: Tensor, p: Tensor | None, n: int) ->
 
 
 def _sample_random(x: Tensor, meta: SamplingMetadata) -> Tensor:
-    """Temperature-scaled logits -> one token per row by top-k, top-p, min-p and an exponential race."""
+    """Temperature-scaled logits -> one token per row by top-k, top-p, min-p and an inverse-CDF draw."""
     if meta.top_k is not None or meta.top_p is not None:
         x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
     probs = torch.softmax(x, dim=-1)
