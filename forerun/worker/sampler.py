@@ -7,8 +7,9 @@ Order of operations for one step (all math in float32):
   4. greedy rows: argmax; random rows: temperature, top-k, top-p, min-p, then an
      inverse-CDF draw (one uniform number per row against the cumulative probabilities).
 
-Nothing here loops over rows in Python except drawing from per-request seeded generators, and nothing reads a tensor value back to the host, so on a
-GPU the whole step is queued without a synchronisation.
+Nothing here loops over rows in Python except drawing from per-request seeded
+generators, and nothing reads a tensor value back to the host, so on a GPU the
+whole step is queued without a synchronisation.
 """
 
 from __future__ import annotations
