@@ -65,11 +65,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req in self.running:
-                self.running.remove(req)
-            elif req in self.waiting:
-                self.waiting.remove(req)
-            self._free(req, status)
+            self._finish(req, status)
             done.append(req)
         return done
 
