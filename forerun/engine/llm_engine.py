@@ -38,15 +38,11 @@ class LLMEngine:
         self.config = config
         self.model_folder = resolve_model(config.model, show_progress=show_progress)
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
-        folder, vocab = self.model_folder, self._vocab_size()
-        self.core = EngineCore(config, self.model_folder, lambda: make_structured_manager(folder, vocab))
+        # The factory runs on the first structured request, when the core knows the model's vocabulary.
+        self.core = EngineCore(config, self.model_folder,
+                               lambda: make_structured_manager(self.model_folder, self.core.vocab_size))
         self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer)
-
-    def _vocab_size(self) -> int:
-        import json
-        cfg = json.loads((self.model_folder / "config.json").read_text())
-        return int(cfg.get("vocab_size") or self.tokenizer.vocab_size)
 
     @property
     def trace(self):
