@@ -215,6 +215,29 @@ def test_forward_error_reaches_caller_and_shutdown_is_clean(tiny_llama_dir, asyn
     assert leftover == []
 
 
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_after_a_failed_prefill_a_long_prompt_matches_a_fresh_engine(tiny_llama_dir, async_mode):
+    prompt = "One two three four five six seven eight nine ten eleven twelve. " * 5  # several full blocks
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(tiny_llama_dir), async_scheduling=async_mode, show_progress=False) as fresh:
+        want = fresh.generate([prompt], params, use_tqdm=False)[0]
+    assert len(want.prompt_token_ids) >= 3 * fresh.engine.core.config.block_size
+    with LLM(model=str(tiny_llama_dir), async_scheduling=async_mode, show_progress=False) as llm:
+        model = llm.engine.core.executor.worker.model
+        real = model.forward
+
+        def fail_once(*a, **kw):
+            model.forward = real
+            raise RuntimeError("boom in the prefill")
+
+        model.forward = fail_once  # blocks are hashed when scheduled; this forward never writes them
+        with pytest.raises(RuntimeError, match="boom in the prefill"):
+            llm.generate([prompt], params, use_tqdm=False)
+        got = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.num_cached_tokens == 0
+
+
 def test_bad_input_names_the_field(tiny_llama_dir, llm):
     cases = [
         (lambda: llm.generate([""], SamplingParams(), use_tqdm=False), "prompt"),

@@ -157,3 +157,14 @@ def test_async_never_schedules_past_max_tokens():
     assert so1.num_scheduled_tokens == {"m": 4} and so2.num_scheduled_tokens == {"m": 1}
     assert sched.schedule().is_empty  # max_tokens reached counting placeholders
     assert sched.requests["m"].num_output_placeholders == 2
+
+
+def test_failed_step_leaves_no_unwritten_block_in_the_prefix_cache():
+    sched = make(False, block_size=4)
+    sched.add_request(req("p", 13))
+    assert sched.schedule().num_scheduled_tokens == {"p": 13}  # hashes 3 full blocks before any forward
+    assert sched.fail_all_requests() == ["p"]  # the forward failed: those blocks were never written
+    assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == 64
+    sched.add_request(req("q", 13))
+    assert sched.schedule().num_scheduled_tokens == {"q": 13}
+    assert sched.requests["q"].num_cached_tokens == 0

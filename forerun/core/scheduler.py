@@ -69,6 +69,18 @@ class Scheduler:
             done.append(req)
         return done
 
+    def fail_all_requests(self) -> list[str]:
+        """A step failed on the worker: end every request with an error and empty the prefix cache.
+
+        Blocks are hashed when a step is scheduled, before its forward pass writes them, so after a
+        failed step some cached blocks may hold KV that was never written. Telling those apart from
+        good ones is not worth it for a rare error: every cached hash goes.
+        """
+        ids = list(self.requests)
+        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        self.kv.reset_prefix_cache()
+        return ids
+
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)

@@ -230,8 +230,7 @@ class EngineCore:
                     except Exception:
                         pass
         self.batch_queue.clear()
-        ids = list(self.scheduler.requests)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        ids = self.scheduler.fail_all_requests()
         outs = [EngineCoreOutput(rid, [], finish_reason="error", error=str(exc)) for rid in ids]
         logger.error("engine step failed: %s", exc)
         return EngineStepError(f"engine step failed: {exc!r}", outs)
