@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +72,10 @@ class SamplingParams:
                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        # A torch generator takes a 64-bit seed; n > 1 gives completion i the seed `seed + i`.
+        _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed
+                                     and self.seed + self.n - 1 < 2**64), "seed",
+               f"must be an integer in [-2**63, 2**64 - n), got {self.seed!r}")
         if self.stop is not None:
             _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                    "must be a non-empty string or a list of non-empty strings")
@@ -80,6 +84,21 @@ class SamplingParams:
                    "must be a list of non-negative integers")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Every token id these params carry must index a logit: checked once the vocabulary is known."""
+        check_token_ids("stop_token_ids", self.stop_token_ids or (), vocab_size)
+
+
+def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """ValueError naming `name` when an id lies outside [0, vocab_size).
+
+    Such an id would index past the logits on the worker and fail the whole step, and with it every
+    request in flight, so it must be refused when its request is submitted.
+    """
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

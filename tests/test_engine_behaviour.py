@@ -238,6 +238,30 @@ def test_after_a_failed_prefill_a_long_prompt_matches_a_fresh_engine(tiny_llama_
     assert got.num_cached_tokens == 0
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_at_submission(llm):
+    vocab = llm.engine.core.vocab_size
+    for prompt, params, field in [
+            (["Hello"], SamplingParams(min_tokens=1, stop_token_ids=[vocab]), "stop_token_ids"),
+            (["Hello"], SamplingParams(stop_token_ids=[2, 10**6]), "stop_token_ids"),
+            ([[5, 6, vocab]], SamplingParams(), "prompt")]:
+        with pytest.raises(ValueError, match=field):
+            llm.generate(prompt, params, use_tqdm=False)
+    # The core checks too (the server's engine process trusts no one): a bad request is refused alone,
+    # and the request already running finishes unharmed.
+    core = llm.engine.core
+    core.add_request(EngineCoreRequest("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                                       ignore_eos=True)))
+    got = core.run_step()
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        core.add_request(EngineCoreRequest("bad-stop", [5, 6], SamplingParams(min_tokens=1, stop_token_ids=[vocab])))
+    with pytest.raises(ValueError, match="prompt"):
+        core.add_request(EngineCoreRequest("bad-prompt", [5, vocab], SamplingParams()))
+    while core.has_unfinished_requests():
+        got += core.run_step()
+    assert {o.request_id for o in got} == {"ok"}
+    assert sum(len(o.new_token_ids) for o in got) == 4 and got[-1].finish_reason == "length"
+
+
 def test_bad_input_names_the_field(tiny_llama_dir, llm):
     cases = [
         (lambda: llm.generate([""], SamplingParams(), use_tqdm=False), "prompt"),
@@ -246,6 +270,8 @@ def test_bad_input_names_the_field(tiny_llama_dir, llm):
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),
         (lambda: SamplingParams(temperature=-1), "temperature"),
+        (lambda: SamplingParams(seed=2**64), "seed"),  # would fail the worker's generator, and the step
+        (lambda: SamplingParams(n=2, seed=2**64 - 1), "seed"),
         (lambda: LLM(model="/no/such/model", show_progress=False), "model"),
         (lambda: LLM(model=str(tiny_llama_dir), block_size=0, show_progress=False), "block_size"),
     ]

@@ -143,6 +143,9 @@ BAD_REQUESTS = [
     ("max_tokens < 1", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("temperature < 0", {"prompt": "hi", "temperature": -1.0}, 400, "temperature"),
     ("prompt too long", {"prompt": "hello " * 400, "max_tokens": 4}, 400, "prompt"),
+    ("stop id outside vocab", {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [1000000]}, 400, "stop_token_ids"),
+    ("prompt id outside vocab", {"prompt": [1, 2, 1000000], "max_tokens": 4}, 400, "prompt"),
+    ("seed past 64 bits", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
     ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
 ]

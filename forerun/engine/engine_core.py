@@ -19,6 +19,7 @@ from forerun.engine.step_trace import StepTrace
 from forerun.executor.factory import make_executor
 from forerun.outputs import EngineCoreOutput
 from forerun.request import EngineCoreRequest, Request, RequestStatus
+from forerun.sampling_params import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
+        """Raises ValueError naming the field for a request this core cannot run; nothing else is touched."""
+        # Checked here as well as in the front end: an id outside the vocabulary would fail a whole step.
+        check_token_ids("prompt", core_req.prompt_token_ids, self.vocab_size)
+        core_req.sampling_params.validate_token_ids(self.vocab_size)
         req = Request(core_req, self.max_model_len)
         if core_req.pooling:
             if req.num_prompt_tokens > self.max_model_len:

@@ -8,7 +8,7 @@ import time
 
 from forerun.engine.tokenizer import Tokenizer
 from forerun.request import EngineCoreRequest
-from forerun.sampling_params import SamplingParams
+from forerun.sampling_params import SamplingParams, check_token_ids
 
 Prompt = str | list[int]
 
@@ -33,9 +33,7 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            check_token_ids("prompt", prompt, self.vocab_size)
             return None, list(prompt)
         raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
@@ -45,6 +43,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
+        params.validate_token_ids(self.vocab_size)
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is too long for max_model_len {self.max_model_len} "
