@@ -144,6 +144,61 @@ def test_eos_stop_dead_token(tiny_llama_dir, async_mode):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_stop_string_costs_one_dead_token_in_async_mode(tiny_llama_dir, async_mode):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), async_scheduling=async_mode, trace=True),
+                       show_progress=False)
+    try:
+        params = dict(temperature=0, max_tokens=24, ignore_eos=True)
+        text = _run_engine(engine, "The quick brown fox", SamplingParams(**params))["r"].outputs[0].text
+        stop = text[len(text) // 2: len(text) // 2 + 3]
+        assert stop.strip(), "need a visible stop string"
+        engine.core.trace.events.clear()
+        out = _run_engine(engine, "The quick brown fox", SamplingParams(stop=[stop], **params))["r"].outputs[0]
+        assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
+        dead = [rid for e in engine.core.trace.events if e.name == "update" for rid in e.args["dead_tokens"]]
+        assert dead == (["r"] if async_mode else []), "the abort must land before the next step is scheduled"
+        assert engine.core.scheduler.kv.num_free_blocks == engine.core.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_waiting_request_aborted_while_a_step_is_in_flight_is_never_prefilled(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), async_scheduling=True), show_progress=False)
+    scheduled: list[str] = []
+    real = engine.core.executor.execute_model
+
+    def record(sched, non_block=False):
+        scheduled.extend(sched.num_scheduled_tokens)
+        return real(sched, non_block)
+
+    engine.core.executor.execute_model = record
+    try:
+        engine.add_request("The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "a")
+        engine.step()
+        engine.step()
+        assert engine.core.batch_queue, "a step is in flight"
+        engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=8), "w")
+        engine.abort_request("w")  # the client left before the request was admitted
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert "a" in scheduled and "w" not in scheduled
+        assert engine.core.scheduler.kv.num_free_blocks == engine.core.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def _run_engine(engine, prompt, params):
+    """Run one request through LLMEngine (detokenizer and stop strings included), and the step after it."""
+    engine.add_request(prompt, params, "r")
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    return final
+
+
 def _drain_core(engine, reqs):
     for r in reqs:
         engine.core.add_request(r)

@@ -43,8 +43,9 @@ class EngineCore:
     """Owns the scheduler and the executor.
 
     Invariants: in async mode at most two steps are in flight and they are applied in launch order;
-    the first call of `step_with_batch_queue` returns None (it fills the queue); aborts are applied
-    between steps, so an aborted request never receives an output from a later step.
+    the first call of `step_with_batch_queue` returns None (it fills the queue); an abort takes effect
+    at once, so an aborted request is never scheduled again and outputs of steps already in flight
+    for it are dropped (dead tokens), never returned.
     """
 
     def __init__(self, config: EngineConfig, model_folder: Path,
@@ -76,7 +77,6 @@ class EngineCore:
         self.batch_queue: deque[_InFlight] = deque()
         self.queue_depth = 2 if self.async_mode else 1
         self.trace: StepTrace | None = StepTrace() if config.trace else None
-        self._pending_aborts: set[str] = set()
         self._unsent_finished: set[str] = set()
         self._unsent_preempted: set[str] = set()
 
@@ -108,15 +108,14 @@ class EngineCore:
         return self.structured
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Takes effect before the next step is applied (now, in sync mode)."""
-        self._pending_aborts.update(request_ids)
-        if not self.batch_queue:
-            self._apply_aborts()
+        """End the requests now, also in async mode with steps in flight.
 
-    def _apply_aborts(self) -> None:
-        if self._pending_aborts:
-            self.scheduler.finish_requests(self._pending_aborts, RequestStatus.FINISHED_ABORTED)
-            self._pending_aborts = set()
+        Waiting until the in-flight step is applied would schedule the request once more first: a stop
+        string would cost two dead tokens instead of one, and a waiting request whose client left
+        would still be prefilled. Freeing blocks a step in flight still writes is safe: the worker runs
+        steps in order, so a later owner of those blocks writes after it.
+        """
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
@@ -127,7 +126,6 @@ class EngineCore:
 
     # ---- sync ----------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        self._apply_aborts()
         if not self.scheduler.has_unfinished_requests():
             return []
         sched = self._schedule()
@@ -152,7 +150,6 @@ class EngineCore:
         if launched and len(self.batch_queue) < self.queue_depth:
             return None  # fill the queue before collecting
         if not self.batch_queue:
-            self._apply_aborts()
             self._wait_for_grammars()
             return []
         oldest = self.batch_queue.popleft()
@@ -166,7 +163,6 @@ class EngineCore:
             raise self._fail_all(exc) from exc
         if self.trace is not None:
             self.trace.span("wait", oldest.sched.step_id, t0)
-        self._apply_aborts()
         outputs = self._update(oldest.sched, result)
         if self.batch_queue and self.batch_queue[0].sample is None:
             newer = self.batch_queue[0]  # its grammar just advanced: build its bitmask and sample
