@@ -188,6 +188,35 @@ def test_waiting_request_aborted_while_a_step_is_in_flight_is_never_prefilled(ti
         engine.shutdown()
 
 
+def test_request_id_is_free_again_only_when_nothing_of_it_is_in_flight(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), async_scheduling=True), show_progress=False)
+    core = engine.core
+    try:
+        prompt = engine.tokenizer.encode("The quick brown fox")
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        want = _drain_core(engine, [EngineCoreRequest("ref", prompt, params)])["ref"]
+        eos = want[3]
+        core.add_request(EngineCoreRequest("x", prompt, SamplingParams(temperature=0, max_tokens=10),
+                                           frozenset({eos})))
+        while not any(o.finished for o in core.run_step() or ()):
+            pass  # the EOS is seen one step late: x's dead token is still in flight
+        assert any("x" in step.sched.num_scheduled_tokens for step in core.batch_queue)
+        with pytest.raises(ValueError, match="request_id"):
+            core.add_request(EngineCoreRequest("x", prompt, params))
+        core.add_request(EngineCoreRequest("y", prompt, params))
+        core.run_step()
+        core.abort_requests(["y"])  # gone from the scheduler at once, but a step for it is in flight
+        with pytest.raises(ValueError, match="request_id"):
+            engine.add_request(prompt, params, request_id="y")  # the front end asks the core too
+        while core.has_unfinished_requests():
+            core.run_step()
+        again = _drain_core(engine, [EngineCoreRequest("x", prompt, params), EngineCoreRequest("y", prompt, params)])
+        assert again == {"x": want, "y": want}, "a reused id gets only its own tokens"
+        assert core.scheduler.kv.num_free_blocks == core.num_blocks
+    finally:
+        engine.shutdown()
+
+
 def _run_engine(engine, prompt, params):
     """Run one request through LLMEngine (detokenizer and stop strings included), and the step after it."""
     engine.add_request(prompt, params, "r")

@@ -83,6 +83,11 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
         """Raises ValueError naming the field for a request this core cannot run; nothing else is touched."""
+        rid = core_req.request_id
+        if rid in self.scheduler.requests or any(rid in s.sched.num_scheduled_tokens for s in self.batch_queue):
+            # A step in flight would hand its token for the old request to the new one.
+            raise ValueError(f"request_id: {rid!r} is still in use (running, or a step for it is in flight); "
+                             "use a new id, or reuse it once its previous request has fully ended")
         # Checked here as well as in the front end: an id outside the vocabulary would fail a whole step.
         check_token_ids("prompt", core_req.prompt_token_ids, self.vocab_size)
         core_req.sampling_params.validate_token_ids(self.vocab_size)
