@@ -113,7 +113,10 @@ class Scheduler:
         return False
 
     # ---- schedule ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, grammars_ready: set[str] | None = None) -> SchedulerOutput:
+        """One step's batch. `grammars_ready` names the waiting requests whose grammar may be used now
+        (the engine's word, agreed across ranks where each rank schedules for itself); None: each
+        request's own compile decides."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -141,7 +144,7 @@ class Scheduler:
             i += 1
 
         if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, grammars_ready)
 
         new_ids = {r.request_id for r in new_reqs}
         for req in self.running:
@@ -164,12 +167,12 @@ class Scheduler:
         out, self._error_outputs = self._error_outputs, []
         return out
 
-    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       new_reqs: list[NewRequestData]) -> int:
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                       grammars_ready: set[str] | None) -> int:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self._ready(req) or not self._can_admit(req):
+            if not self._ready(req, grammars_ready) or not self._can_admit(req):
                 popped = self.waiting.popleft()
                 if not popped.finished:
                     skipped.append(popped)
@@ -203,12 +206,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _ready(self, req: Request) -> bool:
+    def _ready(self, req: Request, grammars_ready: set[str] | None) -> bool:
         """A request whose grammar is still compiling waits without blocking the queue."""
         if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
             return True
         fut = req.grammar_future
-        if not fut.done():
+        if not (fut.done() if grammars_ready is None else req.request_id in grammars_ready):
             return False
         try:
             req.grammar = self.structured.new_matcher(fut.result())

@@ -192,7 +192,7 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._grammars_ready())
         # Rows to drop must reach the worker even when this step is empty and never launched.
         sched.finished_req_ids |= self._unsent_finished
         sched.preempted_req_ids |= self._unsent_preempted
@@ -205,6 +205,21 @@ class EngineCore:
                             reqs=len(sched.num_scheduled_tokens), structured=len(sched.structured_req_ids),
                             deferred_sampling=sched.pending_structured_output)
         return sched
+
+    def _grammars_ready(self) -> set[str]:
+        """Waiting requests whose grammar has compiled on every rank.
+
+        With external_launcher each rank runs its own engine and compiles grammars itself; admitting a
+        request as soon as this rank's compile is done would give the ranks different batches and
+        mismatched collectives, so the executor makes the ranks agree (a no-op for one engine).
+        """
+        if self.structured is None:  # no structured request yet: skip the scan of the waiting queue
+            return set()
+        pending = [r for r in self.scheduler.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
+        if not pending:
+            return set()
+        done = self.executor.all_ranks_true([r.grammar_future.done() for r in pending])
+        return {r.request_id for r, ok in zip(pending, done) if ok}
 
     def _grammar_output(self, sched: SchedulerOutput) -> GrammarOutput | None:
         if not sched.structured_req_ids or self.structured is None:

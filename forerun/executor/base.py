@@ -32,6 +32,11 @@ class Executor(ABC):
             return _first(out)
         return out[0]
 
+    def all_ranks_true(self, flags: list[bool]) -> list[bool]:
+        """Each flag ANDed over every rank's engine, for decisions an engine makes from its own process
+        state (has this grammar compiled?). One engine drives every rank here, so its flags stand."""
+        return flags
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

@@ -18,6 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from forerun.config import EngineConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput
 from forerun.executor.base import Executor
@@ -55,7 +58,8 @@ class ExternalLauncherExecutor(Executor):
 
     Invariants: WORLD_SIZE equals tensor_parallel_size; in async mode every call runs on one worker
     thread in submission order (so the forward overlaps this rank's scheduling of the next step), in
-    sync mode inline.
+    sync mode inline; every rank calls `all_ranks_true` at the same points of its step loop (the
+    engines' states are equal), so those all-reduces pair up.
     """
 
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
@@ -66,6 +70,9 @@ class ExternalLauncherExecutor(Executor):
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix=f"forerun-rank{rank}")
                       if config.async_scheduling else None)
         self.worker = self._run(lambda: EveryRankWorker(config, model_folder, rank, world_size, "env://"))
+        # A CPU group of its own, so the engine thread can agree with the other ranks while this
+        # rank's worker thread runs the forward's collectives on the default group.
+        self._agree_group = dist.new_group(backend="gloo") if world_size > 1 else None
 
     def _run(self, fn):
         return fn() if self._pool is None else self._pool.submit(fn).result()
@@ -88,7 +95,17 @@ class ExternalLauncherExecutor(Executor):
             done.set_exception(exc)
         return done
 
+    def all_ranks_true(self, flags: list[bool]) -> list[bool]:
+        if self._agree_group is None or not flags:
+            return flags
+        agreed = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._agree_group)
+        return [bool(v) for v in agreed.tolist()]
+
     def shutdown(self) -> None:
+        if self._agree_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._agree_group)
+        self._agree_group = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
