@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from forerun.structured.spec import StructuredOutputsParams
 
 
 @dataclass
@@ -32,7 +34,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    structured_outputs: Any = None  # forerun.structured.spec.StructuredOutputsParams
+    # A dict of StructuredOutputsParams' fields is accepted and converted.
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,7 +85,12 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                    "must be a list of non-negative integers")
+        if isinstance(self.structured_outputs, dict):  # also when assigned after construction
+            self.structured_outputs = _structured_from_dict(self.structured_outputs)
         if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   f"expected StructuredOutputsParams or a dict of its fields, got "
+                   f"{type(self.structured_outputs).__name__}")
             self.structured_outputs.validate()
 
     def validate_token_ids(self, vocab_size: int) -> None:
@@ -99,6 +107,13 @@ def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> Non
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def _structured_from_dict(spec: dict[str, Any]) -> StructuredOutputsParams:
+    known = [f.name for f in fields(StructuredOutputsParams)]
+    unknown = sorted(set(spec) - set(known), key=str)
+    _check(not unknown, "structured_outputs", f"unknown field(s) {unknown}; expected one of {', '.join(known)}")
+    return StructuredOutputsParams(**spec)
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -240,6 +240,21 @@ def test_compile_failure_in_pool_surfaces_as_value_error(tokenizer_folder):
         assert m.backend.num_compiles == 1
 
 
+def test_sampling_params_take_the_spec_as_a_dict_or_name_the_field():
+    from forerun import SamplingParams, StructuredOutputsParams as Exported
+    assert Exported is StructuredOutputsParams
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    sp = SamplingParams(structured_outputs={"json": schema})
+    assert sp.structured_outputs == StructuredOutputsParams(json=schema)
+    assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs.key() == \
+        StructuredOutputsParams(choice=["a", "b"]).key()
+    for bad, field in [({"jsn": schema}, "structured_outputs.*jsn"), ({}, "structured_outputs"),
+                       ({"json": schema, "regex": "a"}, "structured_outputs"), ("json", "structured_outputs"),
+                       ({"regex": ""}, r"structured_outputs\.regex")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(structured_outputs=bad)
+
+
 def test_key_is_canonical():
     a = StructuredOutputsParams(json={"b": 1, "a": {"y": 2, "x": 3}})
     b = StructuredOutputsParams(json='{"b": 1,\n  "a": {"y": 2,   "x": 3}}')
