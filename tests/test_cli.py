@@ -43,3 +43,15 @@ def test_bench_throughput_compare_async_writes_trace_and_plot(tmp_path, tiny_lla
     names = {e["name"] for e in events}
     assert {"schedule", "forward", "sample", "update"} <= names
     assert plot.stat().st_size > 10_000
+
+
+def test_serve_without_the_serve_extra_prints_the_install_command(monkeypatch, capsys):
+    import pytest
+
+    from forerun.entrypoints.cli import main
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` now fails as if not installed
+    monkeypatch.delitem(sys.modules, "forerun.entrypoints.openai.api_server", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "1"])
+    message = str(exit_info.value.code)
+    assert "pip install 'forerun[serve]'" in message and "uvicorn" in message

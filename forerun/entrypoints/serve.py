@@ -7,6 +7,13 @@ import logging
 
 from forerun.entrypoints.engine_args import add_engine_args
 
+# Top-level modules the `serve` extra installs (pydantic_core and starlette come with its packages).
+SERVE_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "zmq", "msgspec", "prometheus_client",
+                                 "pydantic", "pydantic_core"})
+SERVE_EXTRA_HINT = ("forerun serve needs the 'serve' extra, which is not installed (missing module {name!r}). "
+                    "Install it with:\n    pip install 'forerun[serve]'\n"
+                    "or, from a checkout of forerun:\n    pip install -e '.[serve]'")
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -28,7 +35,13 @@ def run_serve(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here so `forerun --help` does not pay for FastAPI and uvicorn.
-    from forerun.entrypoints.openai.api_server import run_server
+    try:
+        from forerun.entrypoints.openai.api_server import run_server
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").partition(".")[0]
+        if top not in SERVE_EXTRA_MODULES:
+            raise
+        raise SystemExit(SERVE_EXTRA_HINT.format(name=top)) from None
     run_server(args)
 
 
