@@ -50,6 +50,7 @@ class EngineConfig:
     distributed_executor_backend: ExecutorBackend | None = None
     runner: Runner = "generate"
     num_threads: int | None = None  # torch intra-op threads of the worker; None: all cores
+    linear_kernel: str = "auto"  # CPU matmuls: auto (measured), aten (F.linear) or mkldnn (prepacked)
     trace: bool = False  # record the step timeline
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -79,6 +80,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
         if self.num_threads is not None:
             _positive(self.num_threads, "num_threads")
+        if self.linear_kernel not in ("auto", "aten", "mkldnn"):
+            raise ValueError(f"linear_kernel: expected auto, aten or mkldnn, got {self.linear_kernel!r}")
         self.resolve_async_scheduling()
 
     def resolve_async_scheduling(self) -> None:

@@ -15,13 +15,14 @@ def distributed_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def parse_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Map a `--dtype` value to a torch dtype; `auto` is fp32 on CPU (faster there than bf16) and bf16 on CUDA."""
+def parse_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """Map a `--dtype` value to a torch dtype. `auto` is bf16 on CUDA and None on CPU, where the
+    faster of fp32 and bf16 differs between machines and is measured (forerun.worker.cpu_probe)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else None
     if name not in table:
         raise ValueError(f"dtype: unknown value {name!r}; expected auto or one of {sorted(table)}")
     return table[name]

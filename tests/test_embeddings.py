@@ -60,7 +60,8 @@ def test_decoder_last_token_pooling_with_chunked_prefill(tiny_llama_dir):
     model = tf.AutoModel.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
     with torch.inference_mode():
         want = torch.stack([F.normalize(model(torch.tensor([p])).last_hidden_state[0, -1], dim=-1) for p in prompts])
-    got, _ = embed(tiny_llama_dir, prompts, max_num_batched_tokens=16)  # most prompts span several chunks
+    # Most prompts span several chunks; fp32 as transformers (`auto` may measure bf16 faster here).
+    got, _ = embed(tiny_llama_dir, prompts, max_num_batched_tokens=16, dtype="float32")
     assert (got - want).abs().max() < 1e-4
 
 

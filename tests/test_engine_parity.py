@@ -15,6 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 def run(folder, prompts, params=GREEDY, **kw):
     kw.setdefault("show_progress", False)
+    kw.setdefault("dtype", "float32")  # transformers runs fp32; `auto` may measure bf16 faster on a CPU
     with LLM(model=str(folder), **kw) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = (llm.engine.core.scheduler.num_preemptions, llm.engine.core.scheduler.kv.num_free_blocks,

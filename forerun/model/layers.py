@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forerun.model.linear_kernels import LinearFn, make_linear
 from forerun.model.parallel import TPGroup
 
 
@@ -85,7 +86,27 @@ class RotaryEmbedding(nn.Module):
         return torch.addcmul(x * cos, swapped, sin)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A linear layer whose matmul can be switched to a prepacked kernel once its weights are loaded.
+
+    Invariant: until `use_kernel` is called, `matmul` is plain `F.linear` over `weight`; afterwards
+    it uses a packed copy made from the loaded weight (so weights must be loaded first).
+    """
+
+    weight: nn.Parameter
+    _matmul: LinearFn | None = None
+
+    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True) -> None:
+        bias = getattr(self, "bias", None) if with_bias else None
+        self._matmul = None if kernel == "aten" else make_linear(self.weight.detach(), bias, kernel, batch_hint)
+
+    def matmul(self, x: Tensor, with_bias: bool = True) -> Tensor:
+        if self._matmul is not None:
+            return self._matmul(x)
+        return F.linear(x, self.weight, getattr(self, "bias", None) if with_bias else None)
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W split by output rows: this rank holds rows [rank*n, (rank+1)*n)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -96,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_per_rank)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
     def load_weight(self, param: str, full: Tensor) -> None:
         """Copy this rank's rows of a full (unsharded) `weight` or `bias`."""
@@ -104,7 +125,7 @@ class ColumnParallelLinear(nn.Module):
         target.data.copy_(full.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank))
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(PackableLinear):
     """Several column-parallel outputs packed into one matmul (q/k/v, or gate/up).
 
     Invariant: each rank's output is the concatenation, in order, of its share of each part, so
@@ -121,7 +142,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(total)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
     def load_weight(self, param: str, full: Tensor, part: int) -> None:
         """Copy this rank's share of part `part` (e.g. 1 = k of q/k/v) from its full tensor."""
@@ -132,7 +153,7 @@ class MergedColumnParallelLinear(nn.Module):
         target.data.narrow(0, self.offsets[part], n).copy_(full.narrow(0, self.tp.rank * n, n))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = all_reduce(x_shard W_shard^T) + b with W split by input columns; the bias is added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -142,10 +163,14 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True) -> None:
+        # With several ranks the bias is added once, after the all-reduce.
+        super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x)
+        y = self.tp.all_reduce(self.matmul(x, with_bias=False))
         return y if self.bias is None else y + self.bias
 
     def load_weight(self, param: str, full: Tensor) -> None:
@@ -189,9 +214,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data.narrow(0, 0, n).copy_(full.narrow(0, self.start, n))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Output projection sharing the embedding's sharding; logits are gathered to the full vocab."""
 
     def forward(self, hidden: Tensor) -> Tensor:  # type: ignore[override]
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(self.matmul(hidden, with_bias=False))
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

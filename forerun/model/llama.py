@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
-from forerun.model.layers import (MergedColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                                  RowParallelLinear, VocabParallelEmbedding)
+from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
+                                  RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,16 @@ class LlamaArgs:
             o_bias=False if family == "Qwen2" else bias,
             qk_norm=family == "Qwen3",
             windows=_windows(cfg, family, layers))
+
+
+def matmul_shapes(args: LlamaArgs, tp_size: int = 1) -> list[tuple[int, int, int]]:
+    """(in_features, out_features, count) of every matmul one token passes through on one rank."""
+    d, n = args.head_dim, args.num_layers
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * d // tp_size
+    return [(args.hidden_size, qkv, n), (args.num_heads * d // tp_size, args.hidden_size, n),
+            (args.hidden_size, 2 * args.intermediate_size // tp_size, n),
+            (args.intermediate_size // tp_size, args.hidden_size, n),
+            (args.hidden_size, -(-args.vocab_size // tp_size), 1)]
 
 
 def _windows(cfg: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:
@@ -207,6 +217,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(m.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, cache, attn)
         return m.norm.add_forward(hidden, residual)[0]
+
+    def use_linear_kernel(self, kernel: str, batch_hint: int) -> None:
+        """Switch every matmul to `kernel` (see forerun.model.linear_kernels); weights must be loaded."""
+        for module in self.modules():
+            if isinstance(module, PackableLinear):
+                module.use_kernel(kernel, batch_hint)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocab float32 logits [n, vocab] (gathered over ranks)."""

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from forerun.model.attention import AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-                                 Qwen3ForCausalLM)
+                                 Qwen3ForCausalLM, matmul_shapes)
 from forerun.model.parallel import TPGroup
 from forerun.model.weights import iter_safetensors
 
@@ -52,6 +52,12 @@ def resolve_architecture(config: dict) -> tuple[str, type[LlamaForCausalLM]]:
         if name in _ARCHITECTURES:
             return name, _ARCHITECTURES[name]
     raise ValueError(f"architectures: {names!r} has no supported model (supported: {sorted(_ARCHITECTURES)})")
+
+
+def model_matmul_shapes(config: dict, tp_size: int = 1) -> list[tuple[int, int, int]]:
+    """(in, out, count) of the matmuls one token passes through, per rank, from config.json alone."""
+    arch, _ = resolve_architecture(config)
+    return matmul_shapes(LlamaArgs.from_config(config, arch), tp_size)
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup()) -> CausalLM:

@@ -17,8 +17,10 @@ from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
-from forerun.model.registry import load_model
+from forerun.model.model_source import cache_dir
+from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
+from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_kernels
 from forerun.worker.model_runner import ModelRunner
 from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
 
@@ -72,17 +74,43 @@ class Worker:
             dist.init_process_group(distributed_backend(self.device), init_method=dist_init_method,
                                     rank=rank, world_size=world_size)
         torch.manual_seed(config.seed)
-        self.dtype = parse_dtype(config.dtype, self.device)
         self.tp = TPGroup(rank, world_size)
         self.hf_config = json.loads((self.folder / "config.json").read_text())
         self.encoder_only = config.runner == "pooling" and is_encoder_model(self.hf_config)
         if self.encoder_only:
             if world_size > 1:
                 raise ValueError("tensor_parallel_size: encoder (embedding) models run on one rank")
+            self.dtype = parse_dtype(config.dtype, self.device) or torch.float32
             self.model = load_bert(self.folder, self.dtype, self.device)
         else:
+            choice = self._choose_kernels()
+            self.dtype = choice.torch_dtype
             self.model = load_model(self.folder, self.dtype, self.device, self.tp)
+            if choice.linear_kernel != "aten":
+                self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch())
         self.runner: ModelRunner | None = None
+
+    def _decode_batch(self) -> int:
+        """The batch size the matmul choice is tuned for: a full decode step, capped where GEMMs saturate."""
+        return min(self.config.max_num_seqs, 64)
+
+    def _choose_kernels(self) -> KernelChoice:
+        """dtype and matmul kernel: fixed ones as given, `auto` measured on this CPU (rank 0 decides)."""
+        fixed = parse_dtype(self.config.dtype, self.device)
+        kernels = None if self.config.linear_kernel == "auto" else [self.config.linear_kernel]
+        if self.device.type != "cpu":
+            return KernelChoice(DTYPE_NAMES[fixed or torch.bfloat16], "aten", {})
+        if self.rank == 0:
+            choice = choose_kernels(model_matmul_shapes(self.hf_config, self.world_size), self._decode_batch(),
+                                    [fixed] if fixed else [torch.float32, torch.bfloat16], kernels,
+                                    cache_dir() / "cpu_probe.json")
+        if self.world_size > 1:  # every rank must run the same dtype, or the collectives mismatch
+            box = [choice if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            choice = box[0]
+        if self.rank == 0 and choice.gflops:
+            logger.info("CPU matmuls: %s", choice.describe())
+        return choice
 
     def model_info(self) -> ModelInfo:
         cfg = self.hf_config

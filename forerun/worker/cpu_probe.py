@@ -1,0 +1,130 @@
+"""Which dtype and matmul kernel run a model's decode step fastest on this CPU: measured once, cached.
+
+CPUs of one name disagree: on one machine fp32 matmuls beat bf16, on another (avx512_bf16) bf16 is
+2-3x faster, and on a machine without AVX-512 bf16 is emulated and 5x slower. So `dtype="auto"`
+times every (dtype, kernel) pair on the model's own matmul shapes at its decode batch size and keeps
+the fastest. The answer is cached under the forerun cache folder, keyed by CPU model and flags,
+torch version, thread count and shapes, so only the first start on a machine pays (about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from forerun.model.linear_kernels import available_kernels, make_linear
+
+logger = logging.getLogger(__name__)
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The fastest candidate and what every candidate reached (GFLOPS over the model's matmuls)."""
+
+    dtype: str
+    linear_kernel: str
+    gflops: dict[str, float]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {v: k for k, v in DTYPE_NAMES.items()}[self.dtype]
+
+    def describe(self) -> str:
+        speeds = ", ".join(f"{name} {g:.0f}" for name, g in sorted(self.gflops.items(), key=lambda kv: -kv[1]))
+        return f"{self.dtype} with {self.linear_kernel} matmuls (GFLOPS at decode shapes: {speeds})"
+
+
+def cpu_signature() -> str:
+    """CPU model name plus a hash of its feature flags: two 'AMD EPYC' machines may differ in AVX-512."""
+    name, flags = "unknown", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.strip()
+    except OSError:
+        pass
+    return f"{name}/{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+
+
+def measure(shapes: list[tuple[int, int, int]], batch: int, dtype: torch.dtype, kernel: str,
+            reps: int = 3) -> float:
+    """Achieved GFLOPS of one decode step's matmuls: each (in, out, count) timed at `batch` rows."""
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for k, n, count in shapes:
+            # Scaled like real weights: huge values would hit slow denormal/overflow paths.
+            w = (torch.rand(n, k) - 0.5).mul_(0.1).to(dtype)
+            x = torch.rand(batch, k).to(dtype)
+            fn = make_linear(w, None, kernel, batch)
+            fn(x)
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn(x)
+                best = min(best, time.perf_counter() - t0)
+            flops += 2.0 * batch * k * n * count
+            seconds += best * count
+    return flops / seconds / 1e9
+
+
+def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[torch.dtype],
+                   kernels: list[str] | None, cache_file: Path | None) -> KernelChoice:
+    """The fastest (dtype, kernel) for these matmuls, from `cache_file` when this machine measured it.
+
+    `kernels` None means every kernel this CPU has; a single candidate is returned unmeasured.
+    """
+    device = torch.device("cpu")
+    candidates = [(d, k) for d in dtypes for k in available_kernels(d, device) if kernels is None or k in kernels]
+    if not candidates:
+        names = ", ".join(DTYPE_NAMES[d] for d in dtypes)
+        raise ValueError(f"linear_kernel: {kernels} cannot run {names} on this CPU "
+                         f"(available: {available_kernels(dtypes[0], device)})")
+    if len(candidates) == 1:
+        return KernelChoice(DTYPE_NAMES[candidates[0][0]], candidates[0][1], {})
+    key = json.dumps([cpu_signature(), torch.__version__, torch.get_num_threads(), batch, shapes,
+                      [(DTYPE_NAMES[d], k) for d, k in candidates]])
+    cache = _read(cache_file)
+    if key in cache:
+        return KernelChoice(**cache[key])
+    t0 = time.perf_counter()
+    gflops = {f"{DTYPE_NAMES[d]}/{k}": measure(shapes, batch, d, k) for d, k in candidates}
+    best = max(gflops, key=lambda name: gflops[name])
+    dtype_name, kernel = best.split("/")
+    choice = KernelChoice(dtype_name, kernel, gflops)
+    logger.info("measured matmul speed in %.1f s", time.perf_counter() - t0)
+    if cache_file is not None:
+        cache[key] = asdict(choice)
+        _write(cache_file, cache)
+    return choice
+
+
+def _read(path: Path | None) -> dict:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # a damaged cache only costs one more measurement
+
+
+def _write(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)  # atomic: concurrent starts never read half a file
+    except OSError as exc:
+        logger.warning("could not cache the matmul probe in %s: %s", path, exc)

@@ -1,0 +1,80 @@
+"""Prepacked matmul kernels and the per-machine dtype/kernel probe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forerun import LLM, SamplingParams
+from forerun.model.linear_kernels import available_kernels, make_linear
+from forerun.worker import cpu_probe
+from forerun.worker.cpu_probe import choose_kernels
+
+CPU = torch.device("cpu")
+SHAPES = [(64, 96, 2), (96, 64, 2), (64, 500, 1)]
+
+
+def test_fp32_has_a_packed_kernel_on_every_cpu_build():
+    assert available_kernels(torch.float32, CPU) == ["aten", "mkldnn"]
+    assert available_kernels(torch.float32, torch.device("meta")) == ["aten"]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_f_linear(rows):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(96, 64), torch.randn(96), torch.randn(rows, 64)
+    want = F.linear(x, w, b)
+    got = make_linear(w, b, "mkldnn", batch_hint=64)(x)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="linear_kernel"):
+        make_linear(w, b, "cublas", 64)
+
+
+def test_packed_model_gives_the_same_tokens(tiny_llama_dir):
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [[5, 6, 7, 8, 9] * 3, [100, 200, 300]]
+    results = {}
+    for kernel in ("aten", "mkldnn"):
+        with LLM(model=str(tiny_llama_dir), dtype="float32", linear_kernel=kernel, show_progress=False) as llm:
+            results[kernel] = llm.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(results["aten"], results["mkldnn"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, v in la.items():
+                assert abs(lb[tok] - v) <= 1e-3 * max(1.0, abs(v))
+
+
+def test_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "probe.json"
+    first = choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
+    assert set(first.gflops) >= {"float32/aten", "float32/mkldnn", "bfloat16/aten"}
+    assert all(g > 0 for g in first.gflops.values())
+    assert f"{first.dtype}/{first.linear_kernel}" == max(first.gflops, key=first.gflops.get)
+    assert len(json.loads(cache.read_text())) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again despite a cached answer")
+
+    monkeypatch.setattr(cpu_probe, "measure", no_measuring)
+    assert choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache) == first
+    # A fixed dtype and kernel leave a single candidate: nothing to measure, nothing cached.
+    fixed = choose_kernels(SHAPES, 8, [torch.float32], ["aten"], cache)
+    assert (fixed.dtype, fixed.linear_kernel, fixed.gflops) == ("float32", "aten", {})
+    with pytest.raises(ValueError, match="linear_kernel"):
+        choose_kernels(SHAPES, 8, [torch.float32], ["nonexistent"], cache)
+
+
+def test_damaged_cache_is_measured_again(tmp_path):
+    cache = tmp_path / "probe.json"
+    cache.write_text("{not json")
+    choice = choose_kernels(SHAPES, 4, [torch.float32], None, cache)
+    assert choice.gflops and json.loads(cache.read_text())
+
+
+def test_bad_linear_kernel_names_the_field(tiny_llama_dir):
+    with pytest.raises(ValueError, match="linear_kernel"):
+        LLM(model=str(tiny_llama_dir), linear_kernel="fastest", show_progress=False)
