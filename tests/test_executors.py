@@ -3,8 +3,11 @@ TP, errors and worker deaths that surface quickly, and shutdowns that leave noth
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -73,6 +76,34 @@ def reference(varied_llama_dir) -> list[list[int]]:
 def test_uni_async_matches_sync(varied_llama_dir, reference):
     with make_llm(varied_llama_dir, "uni", 1, True) as llm:
         assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+
+
+# A user's script as it is often written: no `if __name__ == "__main__":` guard.
+UNGUARDED_SCRIPT = """
+import json
+from forerun import LLM, SamplingParams
+llm = LLM(model={model!r}, distributed_executor_backend="mp", show_progress=False)
+outs = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens={max_tokens}), use_tqdm=False)
+print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+llm.shutdown()
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_mp_from_a_script_without_main_guard_or_fed_on_stdin(varied_llama_dir, reference, tmp_path, how):
+    code = UNGUARDED_SCRIPT.format(model=str(varied_llama_dir), prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    if how == "file":
+        (tmp_path / "script.py").write_text(code)
+        cmd, stdin = [sys.executable, str(tmp_path / "script.py")], None
+    else:
+        cmd, stdin = [sys.executable, "-"], code
+    res = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, "the script ran once: the worker did not run it again"
+    assert json.loads(lines[0][len("TOKENS "):]) == reference
 
 
 @pytest.mark.parametrize("tp,async_", [(1, False), (1, True), (2, False)])

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from forerun.config import EngineConfig
+from forerun.executor.spawn import main_script_not_rerun
 from forerun.outputs import EngineCoreOutput
 from forerun.request import EngineCoreRequest
 
@@ -235,7 +236,8 @@ class EngineCoreProcess:
         # Not a daemon: the core may start its own worker processes (tensor parallel).
         self.proc = mp.Process(target=run_engine_core, name="forerun-engine-core",
                                args=(config, model_folder, in_addr, out_addr, os.getpid()))
-        self.proc.start()
+        with main_script_not_rerun():  # a script without a main guard, or on stdin, works too
+            self.proc.start()
         self._finalizer = weakref.finalize(self, _reap, self.proc, self._tmpdir)
         try:
             self.info = self._wait_ready(startup_timeout_s)

@@ -20,6 +20,7 @@ from typing import Any
 from forerun.config import EngineConfig
 from forerun.executor.base import Executor
 from forerun.executor.shm_queue import EMPTY, QueueTimeout, ShmBroadcastQueue, ShmQueueHandle, ShmReader, ShmWriter
+from forerun.executor.spawn import main_script_not_rerun
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ class MultiprocExecutor(Executor):
         self._resp_thread = threading.Thread(target=self._response_loop, name="forerun-mp-responses", daemon=True)
         self._monitor = threading.Thread(target=self._monitor_loop, name="forerun-mp-monitor", daemon=True)
         try:
-            for p in self.procs:
-                p.start()
+            with main_script_not_rerun():
+                for p in self.procs:
+                    p.start()
             self._resp_thread.start()
             self._monitor.start()
             ready.result(timeout=STARTUP_TIMEOUT_S)
