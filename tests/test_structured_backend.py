@@ -19,9 +19,11 @@ import pytest
 import tokenizers
 import torch
 
+from forerun.core.scheduler_output import GrammarOutput
 from forerun.structured.manager import StructuredOutputManager
 from forerun.structured.spec import StructuredOutputsParams
 from forerun.structured.xgrammar_backend import XGrammarBackend
+from forerun.worker.sampling_inputs import grammar_bad_token_mask
 
 TOKENIZER_VOCAB = 49152
 MODEL_VOCAB = TOKENIZER_VOCAB + 64  # padded embedding rows, as many checkpoints have
@@ -51,9 +53,15 @@ def manager(tokenizer_folder: Path):
         yield m
 
 
+def bad_token_mask(bitmask: torch.Tensor) -> torch.Tensor:
+    """[rows, MODEL_VOCAB] True where forbidden, unpacked as the worker does it."""
+    ids = [f"r{i}" for i in range(bitmask.shape[0])]
+    return grammar_bad_token_mask(GrammarOutput(ids, bitmask), ids, MODEL_VOCAB, torch.device("cpu"))
+
+
 def allowed_ids(manager: StructuredOutputManager, matcher) -> list[int]:
     bitmask = manager.grammar_bitmask([matcher])
-    return (~manager.bad_token_mask(bitmask))[0].nonzero().flatten().tolist()
+    return (~bad_token_mask(bitmask))[0].nonzero().flatten().tolist()
 
 
 def generate(manager, tokenizer, params: StructuredOutputsParams, seed: int | None, max_steps: int = 400) -> str:
@@ -337,21 +345,13 @@ def test_batch_bitmask_rows(manager, tokenizer):
 
     bitmask = manager.grammar_bitmask([live, None, done])
     assert bitmask.shape == (3, (MODEL_VOCAB + 31) // 32) and bitmask.dtype == torch.int32
-    bad = manager.bad_token_mask(bitmask)
+    bad = bad_token_mask(bitmask)
     assert bad.shape == (3, MODEL_VOCAB)
     assert not bad[1].any() and not bad[2].any()  # unconstrained and terminated rows: all allowed
     allowed_live = set((~bad[0]).nonzero().flatten().tolist())
     first = {tokenizer.encode(w, add_special_tokens=False).ids[0] for w in ("yes", "no")}
     assert first <= allowed_live and EOS not in allowed_live
     assert all(tokenizer.decode([t]) in {"y", "ye", "yes", "n", "no"} for t in allowed_live)
-
-    logits = torch.randn(3, MODEL_VOCAB)
-    before = logits.clone()
-    manager.apply_bitmask(logits, bitmask)
-    assert torch.isneginf(logits[0][bad[0]]).all() and torch.equal(logits[0][~bad[0]], before[0][~bad[0]])
-    assert torch.equal(logits[1:], before[1:])
-    with pytest.raises(ValueError, match="logits"):
-        manager.apply_bitmask(torch.zeros(3, TOKENIZER_VOCAB), bitmask)
 
 
 def test_rollback_and_reset(manager, tokenizer):

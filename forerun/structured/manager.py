@@ -1,4 +1,7 @@
-"""The engine's single entry point to structured output: validate, compile off-loop, mask logits."""
+"""The engine's single entry point to structured output: validate, compile off-loop, fill bitmasks.
+
+The worker unpacks a bitmask into its sampler's mask (`forerun.worker.sampling_inputs.grammar_bad_token_mask`).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +13,6 @@ import torch
 
 from forerun.structured.backend import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
 from forerun.structured.spec import GrammarKey, StructuredOutputsParams
-
-
-def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Unpack a [B, ceil(V/32)] int32 bitmask (bit j of word i = token 32*i+j) to [B, V] bool."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift is fine: only bit 0 is kept
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 class StructuredOutputManager:
@@ -87,20 +83,6 @@ class StructuredOutputManager:
             if matcher is not None and not matcher.is_terminated():
                 matcher.fill_bitmask(bitmask, row)
         return bitmask
-
-    def bad_token_mask(self, bitmask: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-        """[B, V] bool, True where a token is forbidden: the sampler's `bad_token_mask`."""
-        return ~bitmask_to_allowed(bitmask.to(device or bitmask.device), self.vocab_size)
-
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
-        """Set forbidden logits to -inf in place (and return them); None leaves logits alone."""
-        if bitmask is None:
-            return logits
-        if logits.dim() != 2 or logits.shape[0] != bitmask.shape[0] or logits.shape[1] != self.vocab_size:
-            raise ValueError(
-                f"logits: shape {tuple(logits.shape)} does not match [{bitmask.shape[0]}, {self.vocab_size}]"
-            )
-        return logits.masked_fill_(self.bad_token_mask(bitmask, logits.device), float("-inf"))
 
     def close(self) -> None:
         """Stop the pool (waiting for running compiles) and drop cached grammars."""
