@@ -67,6 +67,35 @@ def test_seeded_sync_and_async_agree(tiny_llama_dir):
     assert got[0] == got[1]
 
 
+@pytest.mark.parametrize("budget", [8, 4096], ids=["chunked", "whole"])
+def test_penalties_sync_and_async_agree_in_a_mixed_batch(tiny_llama_dir, budget):
+    base = dict(max_tokens=40, ignore_eos=True)
+    # Prompts whose plain continuation repeats tokens take the penalties, so the penalties bite.
+    batch = [("def fibonacci(n):", SamplingParams(temperature=0, repetition_penalty=1.8, **base)),
+             ("The quick brown fox", SamplingParams(temperature=0, **base)),
+             ("Hello", SamplingParams(temperature=0, presence_penalty=1.5, **base)),
+             ("Hello Hello Hello", SamplingParams(temperature=0.8, seed=5, frequency_penalty=1.5, **base)),
+             ("Hello", SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
+                                      frequency_penalty=1.2, **base)),
+             ("In 1492, Columbus", SamplingParams(temperature=0.8, seed=6, **base))]
+    prompts = [p for p, _ in batch]
+    params = [sp for _, sp in batch]
+    plain = [SamplingParams(temperature=sp.temperature, seed=sp.seed, **base) for sp in params]
+    got, unpenalised = [], []
+    for mode in (False, True):
+        with LLM(model=str(tiny_llama_dir), async_scheduling=mode, show_progress=False,
+                 max_num_batched_tokens=budget) as llm:
+            got.append(tokens(llm.generate(prompts, params, use_tqdm=False)))
+            unpenalised.append(tokens(llm.generate(prompts, plain, use_tqdm=False)))
+    assert got[0] == got[1], "penalised and plain rows alike: async gives sync's tokens"
+    assert unpenalised[0] == unpenalised[1]
+    for i, sp in enumerate(params):
+        if sp.uses_penalties:
+            assert got[0][i] != unpenalised[0][i], f"row {i}: the penalty must change the output"
+        else:
+            assert got[0][i] == unpenalised[0][i], f"row {i}: a neighbour's penalty leaked into it"
+
+
 def test_logprobs_sync_and_async_agree(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
     got = []
@@ -100,6 +129,23 @@ def test_stop_strings_and_stop_token_ids(llm):
     out = gen(llm, ["The quick brown fox"], temperature=0, max_tokens=24, ignore_eos=True,
               stop_token_ids=[stop_id])[0].outputs[0]
     assert out.token_ids == ref.token_ids[:first + 1] and out.stop_reason == stop_id
+
+
+def test_min_tokens_holds_stop_ids_back_exactly_that_long(llm):
+    prompt = ["In 1492, Columbus"]
+    ref = gen(llm, prompt, temperature=0, max_tokens=24, ignore_eos=True)[0].outputs[0].token_ids
+    k = next(i for i in range(3, len(ref)) if ref.index(ref[i]) == i)  # a first occurrence, not too early
+    stop = dict(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[ref[k]])
+    out = gen(llm, prompt, **stop)[0].outputs[0]
+    assert out.token_ids == ref[:k + 1] and out.finish_reason == "stop" and out.stop_reason == ref[k]
+    # min_tokens=k: k tokens come first, so the stop id may be token k + 1, exactly where it comes.
+    assert gen(llm, prompt, min_tokens=k, **stop)[0].outputs[0].token_ids == ref[:k + 1]
+    # min_tokens=k+1: held back at position k, so the output goes past it.
+    out = gen(llm, prompt, min_tokens=k + 1, **stop)[0].outputs[0]
+    assert out.token_ids[:k] == ref[:k] and ref[k] not in out.token_ids[:k + 1]
+    assert len(out.token_ids) >= k + 2
+    assert (out.finish_reason, out.token_ids[-1]) == ("stop", ref[k]) or \
+        (out.finish_reason == "length" and ref[k] not in out.token_ids)
 
 
 def test_n_completions_with_seed(llm):

@@ -134,8 +134,9 @@ def test_mp_tp2_async_runs_ahead(varied_llama_dir, reference):
     cut = reference[1].index(stop_tok)
     before = len(events)
     out = llm.generate([PROMPTS[1]], greedy(stop_token_ids=[stop_tok]), use_tqdm=False)[0]
-    assert list(out.outputs[0].token_ids)[:cut] == reference[1][:cut]
-    assert len(out.outputs[0].token_ids) in (cut, cut + 1)  # with or without the stop token, never past it
+    # The stop token ends the output exactly where it first comes, and is part of it.
+    assert list(out.outputs[0].token_ids) == reference[1][:cut + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
     while llm.engine.has_unfinished_requests():  # apply the step still in flight when generate returned
         llm.engine.step()
     new = events[before:]

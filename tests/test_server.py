@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from forerun import LLM, SamplingParams
 from serve_helpers import Server, alive, descendants, start_server, stop_server
 
 API_KEY = "test-key"
@@ -132,10 +133,22 @@ def test_stop_string(client):
     assert r.choices[0].text == base[:base.index(stop)]
 
 
-def test_ignore_eos_and_min_tokens_extra_fields(client):
-    r = client.completions.create(model="tiny", prompt="Hi", temperature=0.0, max_tokens=20,
-                                  extra_body={"ignore_eos": True, "min_tokens": 20})
-    assert r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"
+def test_ignore_eos_and_min_tokens_extra_fields(client, tiny_llama_dir):
+    prompt = [1, 504, 3458, 314, 260, 3575]  # token ids: the same prompt here and in the server
+    with LLM(model=str(tiny_llama_dir), show_progress=False) as llm:  # the server's model, for token ids
+        ref = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    k = next(i for i in range(3, len(ref)) if ref.index(ref[i]) == i)
+    body = dict(model="tiny", prompt=prompt, temperature=0.0, max_tokens=20)
+
+    def completion_tokens(**extra) -> tuple[int, str]:
+        r = client.completions.create(**body, extra_body={"ignore_eos": True, "stop_token_ids": [ref[k]], **extra})
+        return r.usage.completion_tokens, r.choices[0].finish_reason
+
+    assert completion_tokens() == (k + 1, "stop")  # stops where the id first comes
+    assert completion_tokens(min_tokens=k) == (k + 1, "stop")  # the (k+1)-th token may be the stop id
+    n, reason = completion_tokens(min_tokens=k + 1)  # now held back there, so it runs on
+    assert n >= k + 2 and reason in ("stop", "length")
 
 
 BAD_REQUESTS = [
