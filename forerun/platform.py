@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 
 
@@ -26,3 +29,18 @@ def parse_dtype(name: str, device: torch.device) -> torch.dtype | None:
     if name not in table:
         raise ValueError(f"dtype: unknown value {name!r}; expected auto or one of {sorted(table)}")
     return table[name]
+
+
+def cpu_signature() -> str:
+    """CPU model name plus a hash of its feature flags: two 'AMD EPYC' machines may differ in AVX-512."""
+    name, flags = "unknown", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.strip()
+    except OSError:
+        pass
+    return f"{name}/{hashlib.sha1(flags.encode()).hexdigest()[:10]}"

@@ -55,3 +55,20 @@ def test_serve_without_the_serve_extra_prints_the_install_command(monkeypatch, c
         main(["serve", "--port", "1"])
     message = str(exit_info.value.code)
     assert "pip install 'forerun[serve]'" in message and "uvicorn" in message
+
+
+def test_bench_one_prompt_forward_only_and_profile(tmp_path, tiny_llama_dir):
+    prof, out = tmp_path / "prof.json", tmp_path / "r.json"
+    res = forerun("bench", "throughput", "--model", str(tiny_llama_dir), "--num-prompts", "1", "--input-len", "12",
+                  "--output-len", "6", "--forward-only", "--profile", str(prof), "--output-json", str(out))
+    assert res.returncode == 0, res.stderr
+    result = json.loads(out.read_text())
+    run = result["async"]
+    assert run["output_tokens"] == 6 and run["matmul_gflops"] > 0 and 0 < run["fraction_of_matmul_peak"]
+    assert result["matmul_peak_gflops"] > 0 and result["forward_only"]["output_tok_per_s"] > 0
+    # The engine share is derived from the two throughputs the same run reports.
+    assert run["over_forward_only"] == round(run["output_tok_per_s"] / result["forward_only"]["output_tok_per_s"], 3)
+    assert run["engine_share"] == round(1 - run["over_forward_only"], 3)
+    top = json.loads(prof.read_text())
+    assert top and all(set(row) == {"op", "self_ms", "calls"} for row in top)
+    assert any("linear" in row["op"] or "mm" in row["op"] for row in top), "the worker thread's matmuls are seen"

@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forerun.bench.forward_only import matmul_flops, record_steps, replay
 from forerun.bench.workloads import Workload, make_tiny_llama, random_workload, with_structured_ratio
 from forerun.config import EngineConfig
+from forerun.core.scheduler_output import SchedulerOutput
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.step_trace import StepTrace
 
@@ -34,22 +36,44 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-output-ratio", type=float, default=0.0,
                         help="share of requests constrained to a JSON schema")
     parser.add_argument("--compare-hf", action="store_true", help="also run transformers generate (static batches)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="also replay the same steps with no engine (forward + sample only) and report "
+                             "the engine's share of the time")
+    parser.add_argument("--profile", type=Path,
+                        help="profile a forward-only replay on the worker; write the top operators (JSON)")
     parser.add_argument("--trace", type=Path, help="write the step timeline (Chrome trace JSON)")
     parser.add_argument("--plot", type=Path, help="draw the sync/async step timelines (PNG)")
     parser.add_argument("--output-json", type=Path)
 
 
-def run_mode(config: EngineConfig, workload: Workload, trace: bool = True) -> tuple[dict[str, Any], StepTrace | None]:
+@dataclasses.dataclass
+class ModeRun:
+    """One timed engine run: its figures, its timeline and the steps it launched (for a replay)."""
+
+    result: dict[str, Any]
+    trace: StepTrace | None
+    steps: list[SchedulerOutput]
+    matmul_peak_gflops: float
+
+
+def _warm_up(engine: LLMEngine, workload: Workload) -> None:
+    """Allocator, first-call costs, and the grammar compile (cached and shared afterwards)."""
+    n = len(workload.prompts)
+    warm = sorted({0, min(1, n - 1)}) + [i for i, p in enumerate(workload.params)
+                                         if p.structured_outputs is not None][:1]
+    _drain(engine, [workload.prompts[i] for i in warm], [workload.params[i] for i in warm])
+
+
+def run_mode(config: EngineConfig, workload: Workload, trace: bool = True) -> ModeRun:
     """One engine, a short warm-up, then the whole workload timed."""
     config = dataclasses.replace(config, trace=trace)
     engine = LLMEngine(config, show_progress=False)
     try:
-        # Warm-up: allocator, first-call costs, and the grammar compile (cached and shared afterwards).
-        warm = [0, 1] + [i for i, p in enumerate(workload.params) if p.structured_outputs is not None][:1]
-        _drain(engine, [workload.prompts[i] for i in warm], [workload.params[i] for i in warm])
+        _warm_up(engine, workload)
         if engine.trace is not None:
             engine.trace.events.clear()
         steps0 = engine.core.scheduler.step_id
+        steps = record_steps(engine)
         start = time.perf_counter()
         out_tokens = _drain(engine, workload.prompts, workload.params)
         elapsed = time.perf_counter() - start
@@ -66,7 +90,25 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True) -> tu
             "dead_tokens": t.dead_tokens() if t else None,
             "preemptions": engine.core.scheduler.num_preemptions,
         }
-        return result, t
+        peak = engine.core.executor.collective_rpc("matmul_peak_gflops")[0]
+        return ModeRun(result, t, steps, peak)
+    finally:
+        engine.shutdown()
+        gc.collect()
+
+
+def run_forward_only(config: EngineConfig, workload: Workload, steps: list[SchedulerOutput],
+                     profile: bool = False) -> tuple[float, list[dict] | None]:
+    """Seconds to replay `steps` on a fresh engine's executor after the same warm-up (and, with
+    `profile`, the worker's top operators during that replay)."""
+    engine = LLMEngine(dataclasses.replace(config, trace=False), show_progress=False)
+    try:
+        _warm_up(engine, workload)
+        if profile:
+            engine.core.executor.collective_rpc("start_profile")
+        seconds = replay(engine, steps)
+        top = engine.core.executor.collective_rpc("stop_profile")[0] if profile else None
+        return seconds, top
     finally:
         engine.shutdown()
         gc.collect()
@@ -107,6 +149,7 @@ def hf_generate_baseline(folder: Path, workload: Workload, batch_size: int) -> d
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from forerun.entrypoints.engine_args import engine_config_from_args
     from forerun.model.model_source import resolve_model
+    from forerun.model.registry import model_matmul_shapes
     config = engine_config_from_args(args)
     tmp = None
     if args.random_model:
@@ -126,12 +169,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "structured_output_ratio": args.structured_output_ratio}
     traces: dict[str, StepTrace] = {}
     modes = [False, True] if args.compare_async else [config.async_scheduling]
+    shapes = model_matmul_shapes(json.loads((folder / "config.json").read_text()))
+    runs: dict[str, ModeRun] = {}
     for mode in modes:
         cfg = dataclasses.replace(config, async_scheduling=mode)
         name = "async" if cfg.async_scheduling or (mode is None and cfg.runner == "generate") else "sync"
-        result[name], trace = run_mode(cfg, workload)
-        if trace is not None:
-            traces[name] = trace
+        runs[name] = run = run_mode(cfg, workload)
+        result[name] = run.result
+        flops = matmul_flops(run.steps, run.result["output_tokens"], shapes)
+        run.result["matmul_gflops"] = round(flops / run.result["elapsed_s"] / 1e9, 1)
+        run.result["fraction_of_matmul_peak"] = round(run.result["matmul_gflops"] / run.matmul_peak_gflops, 3)
+        if run.trace is not None:
+            traces[name] = run.trace
+    first = next(iter(runs.values()))
+    result["matmul_peak_gflops"] = round(first.matmul_peak_gflops, 1)
+    if args.forward_only or args.profile:
+        seconds, _ = run_forward_only(config, workload, first.steps)
+        fwd_tps = first.result["output_tokens"] / seconds
+        result["forward_only"] = {
+            "elapsed_s": round(seconds, 3), "output_tok_per_s": round(fwd_tps, 2),
+            "matmul_gflops": round(matmul_flops(first.steps, first.result["output_tokens"], shapes) / seconds / 1e9, 1)}
+        for name, run in runs.items():
+            ratio = run.result["output_tok_per_s"] / fwd_tps
+            run.result["over_forward_only"] = round(ratio, 3)
+            run.result["engine_share"] = round(1.0 - ratio, 3)
+        if args.profile:
+            _, top = run_forward_only(config, workload, first.steps, profile=True)
+            args.profile.write_text(json.dumps(top, indent=1))
+            result["profile_top"] = top[:10] if top else None
     if "sync" in result and "async" in result:
         result["speedup_async_over_sync"] = round(result["async"]["output_tok_per_s"]
                                                   / result["sync"]["output_tok_per_s"], 3)

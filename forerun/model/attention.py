@@ -195,11 +195,11 @@ class TorchSDPABackend:
         flat[1].index_copy_(0, meta.slot_mapping, v)
         decode_mask, prefill_masks = meta.masks(q.dtype, window)
         if meta.all_decode:
-            return self._decode(q, kv_cache, meta, decode_mask, scale)
+            return self._decode(q, kv_cache, meta, decode_mask, scale, window)
         out = q.new_empty(num_tokens, heads * dim)
         if meta.decode_token_idx is not None:
             dq = q.index_select(0, meta.decode_token_idx)
-            out.index_copy_(0, meta.decode_token_idx, self._decode(dq, kv_cache, meta, decode_mask, scale))
+            out.index_copy_(0, meta.decode_token_idx, self._decode(dq, kv_cache, meta, decode_mask, scale, window))
         for chunk, mask in zip(meta.prefills, prefill_masks):
             qi = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
             if chunk.slots is None:
@@ -212,9 +212,9 @@ class TorchSDPABackend:
             out[chunk.start:chunk.end] = res[0].transpose(0, 1).reshape(chunk.end - chunk.start, heads * dim)
         return out
 
-    @staticmethod
-    def _decode(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, mask: Tensor | None,
-                scale: float) -> Tensor:
+    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, mask: Tensor | None,
+                scale: float, window: int | None = None) -> Tensor:
+        """Decode rows attended together; `mask` already encodes `window` (subclasses may use it instead)."""
         assert meta.decode_blocks is not None
         _, num_blocks, block_size, kv_heads, dim = kv_cache.shape
         rows, heads = q.shape[0], q.shape[1]

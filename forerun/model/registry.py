@@ -10,7 +10,7 @@ from typing import Iterable, Protocol
 import torch
 from torch import Tensor
 
-from forerun.model.attention import AttentionMetadata
+from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
 from forerun.model.parallel import TPGroup
@@ -60,8 +60,10 @@ def model_matmul_shapes(config: dict, tp_size: int = 1) -> list[tuple[int, int, 
     return matmul_shapes(LlamaArgs.from_config(config, arch), tp_size)
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup()) -> CausalLM:
-    """Build the model for `folder`'s config.json on `device` in `dtype` and load its safetensors."""
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup(),
+               backend: AttentionBackend | None = None) -> CausalLM:
+    """Build the model for `folder`'s config.json on `device` in `dtype` and load its safetensors
+    (attention through `backend`, stock PyTorch when None)."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"folder: no config.json in {folder}")
@@ -69,7 +71,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
     arch, cls = resolve_architecture(config)
     args = LlamaArgs.from_config(config, arch)
     with torch.device(device):
-        model = cls(args, tp)
+        model = cls(args, tp, backend)
     model.to(dtype)
     model.load_weights(iter_safetensors(Path(folder)))
     model.requires_grad_(False).eval()

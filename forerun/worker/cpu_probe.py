@@ -9,7 +9,6 @@ torch version, thread count and shapes, so only the first start on a machine pay
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from forerun.model.linear_kernels import available_kernels, make_linear
+from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
 
@@ -41,21 +41,6 @@ class KernelChoice:
     def describe(self) -> str:
         speeds = ", ".join(f"{name} {g:.0f}" for name, g in sorted(self.gflops.items(), key=lambda kv: -kv[1]))
         return f"{self.dtype} with {self.linear_kernel} matmuls (GFLOPS at decode shapes: {speeds})"
-
-
-def cpu_signature() -> str:
-    """CPU model name plus a hash of its feature flags: two 'AMD EPYC' machines may differ in AVX-512."""
-    name, flags = "unknown", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown":
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
-    return f"{name}/{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
 
 
 def measure(shapes: list[tuple[int, int, int]], batch: int, dtype: torch.dtype, kernel: str,

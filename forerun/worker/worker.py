@@ -17,10 +17,12 @@ from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
+from forerun.model.attention import AttentionBackend
 from forerun.model.model_source import cache_dir
+from forerun.model.native_attention import NativeDecodeBackend, load_native_kernels
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
-from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_kernels
+from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_kernels, measure
 from forerun.worker.model_runner import ModelRunner
 from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
 
@@ -81,14 +83,28 @@ class Worker:
             if world_size > 1:
                 raise ValueError("tensor_parallel_size: encoder (embedding) models run on one rank")
             self.dtype = parse_dtype(config.dtype, self.device) or torch.float32
+            self.kernel_choice = KernelChoice(DTYPE_NAMES[self.dtype], "aten", {})
             self.model = load_bert(self.folder, self.dtype, self.device)
         else:
-            choice = self._choose_kernels()
+            self.kernel_choice = choice = self._choose_kernels()
             self.dtype = choice.torch_dtype
-            self.model = load_model(self.folder, self.dtype, self.device, self.tp)
+            self.model = load_model(self.folder, self.dtype, self.device, self.tp, self._attention_backend())
             if choice.linear_kernel != "aten":
                 self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch())
         self.runner: ModelRunner | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    def _attention_backend(self) -> AttentionBackend | None:
+        """The C decode kernel on CPU unless stock ops were asked for; None (stock ops) when it won't build."""
+        want = self.config.attention_backend
+        if want == "torch" or self.device.type != "cpu":
+            if want == "native":
+                raise ValueError("attention_backend: the native kernel runs on CPU only")
+            return None
+        lib = load_native_kernels(cache_dir() / "kernels")
+        if lib is None and want == "native":
+            raise ValueError("attention_backend: the native kernel could not be built (see the log)")
+        return None if lib is None else NativeDecodeBackend(lib)
 
     def _decode_batch(self) -> int:
         """The batch size the matmul choice is tuned for: a full decode step, capped where GEMMs saturate."""
@@ -159,6 +175,30 @@ class Worker:
         assert self.runner is not None
         out = self.runner.sample_tokens(grammar_output)
         return out if self.rank == 0 else None
+
+    def matmul_peak_gflops(self) -> float:
+        """GFLOPS of this rank's matmuls at the model's decode shapes with the dtype and kernel in use:
+        the limit one forward step can reach (measured now unless the start-up probe measured it)."""
+        choice = self.kernel_choice
+        name = f"{choice.dtype}/{choice.linear_kernel}"
+        if name in choice.gflops:
+            return choice.gflops[name]
+        return measure(model_matmul_shapes(self.hf_config, self.world_size), self._decode_batch(),
+                       choice.torch_dtype, choice.linear_kernel)
+
+    def start_profile(self) -> None:
+        """Profile this thread's torch ops (the profiler sees only the thread that starts it)."""
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._profiler.__enter__()
+
+    def stop_profile(self, row_limit: int = 25) -> list[dict]:
+        """The top operators by self CPU time since `start_profile`."""
+        assert self._profiler is not None, "stop_profile without start_profile"
+        self._profiler.__exit__(None, None, None)
+        events = sorted(self._profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:row_limit]
+        self._profiler = None
+        return [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count}
+                for e in events]
 
     def ping(self) -> int:
         return os.getpid()

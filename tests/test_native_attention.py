@@ -1,0 +1,66 @@
+"""The C decode-attention kernel against the stock-PyTorch backend, and its fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun import LLM, SamplingParams
+from forerun.model.attention import AttentionMetadata, TorchSDPABackend
+from forerun.model.native_attention import NativeDecodeBackend, load_native_kernels
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> NativeDecodeBackend:
+    lib = load_native_kernels(tmp_path_factory.mktemp("kernels"))
+    assert lib is not None, "gcc is on every machine of this project: the kernel must build"
+    return NativeDecodeBackend(lib)
+
+
+def _batch(query_lens, seq_lens, heads, kv_heads, dim, dtype, block_size=4, seed=0):
+    """A random paged cache with shuffled blocks, one step's q/k/v and its metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = max(-(-s // block_size) for s in seq_lens)
+    num_blocks = per_seq * len(seq_lens) + 3
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: per_seq * len(seq_lens)].view(len(seq_lens), per_seq)
+    slots = [int(tables[i, p // block_size]) * block_size + p % block_size
+             for i, (q, s) in enumerate(zip(query_lens, seq_lens)) for p in range(s - q, s)]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables.int(), torch.tensor(slots), block_size)
+    t = sum(query_lens)
+    q, k, v = (torch.randn(t, n, dim, generator=gen).to(dtype) for n in (heads, kv_heads, kv_heads))
+    return q, k, v, cache, meta
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_match_stock_attention(native, heads, kv_heads, window, dtype):
+    # Mixed step: decode rows of several lengths plus a prefill chunk over a cached prefix.
+    query_lens, seq_lens = [1, 1, 6, 1, 1], [1, 9, 11, 17, 4]
+    q, k, v, cache, meta = _batch(query_lens, seq_lens, heads, kv_heads, 16, dtype)
+    want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.25, window)
+    got = native.forward(q, k, v, cache.clone(), meta, 0.25, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the result's own rounding
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+def test_unsupported_shapes_fall_back_to_stock_ops(native):
+    q, k, v, cache, meta = _batch([1, 1], [5, 3], 4, 2, 12, torch.float32)  # head_dim 12: not a multiple of 8
+    want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.3, None)
+    got = native.forward(q, k, v, cache.clone(), meta, 0.3, None)
+    assert (got - want).abs().max().item() <= 1e-6
+
+
+def test_engine_tokens_match_with_and_without_the_kernel(tiny_llama_dir):
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[7, 8, 9] * 5, [300, 301], list(range(500, 540))]
+    outs = {}
+    for backend in ("torch", "native"):
+        with LLM(model=str(tiny_llama_dir), dtype="float32", attention_backend=backend, block_size=4,
+                 show_progress=False) as llm:
+            outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert outs["torch"] == outs["native"]
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(model=str(tiny_llama_dir), attention_backend="flash", show_progress=False)
