@@ -96,9 +96,13 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter
     _matmul: LinearFn | None = None
 
-    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True) -> None:
+    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True) -> None:
+        """Use `kernel` from now on. Without `keep_weight` a packed layer frees its dense weight (the
+        packed copy is all it reads), which halves the memory the model's matmuls hold."""
         bias = getattr(self, "bias", None) if with_bias else None
         self._matmul = None if kernel == "aten" else make_linear(self.weight.detach(), bias, kernel, batch_hint)
+        if self._matmul is not None and not keep_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def matmul(self, x: Tensor, with_bias: bool = True) -> Tensor:
         if self._matmul is not None:
@@ -163,9 +167,9 @@ class RowParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True) -> None:
+    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True) -> None:
         # With several ranks the bias is added once, after the all-reduce.
-        super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1)
+        super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1, keep_weight=keep_weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:

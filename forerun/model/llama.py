@@ -219,10 +219,12 @@ class LlamaForCausalLM(nn.Module):
         return m.norm.add_forward(hidden, residual)[0]
 
     def use_linear_kernel(self, kernel: str, batch_hint: int) -> None:
-        """Switch every matmul to `kernel` (see forerun.model.linear_kernels); weights must be loaded."""
+        """Switch every matmul to `kernel` (see forerun.model.linear_kernels); weights must be loaded.
+        Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's."""
         for module in self.modules():
             if isinstance(module, PackableLinear):
-                module.use_kernel(kernel, batch_hint)
+                tied = module is self.lm_head and self.args.tie_word_embeddings
+                module.use_kernel(kernel, batch_hint, keep_weight=tied)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocab float32 logits [n, vocab] (gathered over ranks)."""
