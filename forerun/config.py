@@ -51,7 +51,7 @@ class EngineConfig:
     runner: Runner = "generate"
     num_threads: int | None = None  # torch intra-op threads of the worker; None: all cores
     linear_kernel: str = "auto"  # CPU matmuls: auto (measured), aten (F.linear) or mkldnn (prepacked)
-    attention_backend: str = "auto"  # auto: the C decode kernel on CPU when it builds; torch: stock ops only
+    native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
     trace: bool = False  # record the step timeline
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -81,8 +81,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
         if self.num_threads is not None:
             _positive(self.num_threads, "num_threads")
-        if self.attention_backend not in ("auto", "torch", "native"):
-            raise ValueError(f"attention_backend: expected auto, torch or native, got {self.attention_backend!r}")
+        if self.native_kernels not in (None, True, False):
+            raise ValueError(f"native_kernels: expected a bool or None, got {self.native_kernels!r}")
         if self.linear_kernel not in ("auto", "aten", "mkldnn"):
             raise ValueError(f"linear_kernel: expected auto, aten or mkldnn, got {self.linear_kernel!r}")
         self.resolve_async_scheduling()

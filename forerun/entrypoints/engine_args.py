@@ -11,7 +11,7 @@ from forerun.config import EngineConfig
 _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
            "enable_prefix_caching", "enable_chunked_prefill", "kv_cache_memory", "num_kv_blocks",
            "async_scheduling", "seed", "tensor_parallel_size", "distributed_executor_backend", "runner",
-           "num_threads", "linear_kernel", "attention_backend")
+           "num_threads", "linear_kernel", "native_kernels")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,9 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-threads", type=int, default=None, help="torch threads of each worker")
     g.add_argument("--linear-kernel", default=None, choices=["auto", "aten", "mkldnn"],
                    help="CPU matmul kernel (default: auto, the fastest measured on this machine)")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "native"],
-                   help="decode attention: native (C kernel built at first use, CPU) or torch (stock ops); "
-                        "auto: native on CPU when it builds")
+    g.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: forerun's C kernels, built at first use (decode attention, fused norm and "
+                        "activation); default: on when they build, --no-native-kernels for stock torch ops")
     return parser
 
 

@@ -14,11 +14,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forerun.model.linear_kernels import LinearFn, make_linear
+from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight over the last dim; `weight` has shape [hidden]."""
+    """y = x / rms(x) * weight over the last dim; `weight` has shape [hidden].
+
+    With `native` set (forerun.model.native_ops) the add and the norm run as one fused C pass
+    wherever it accepts the input, and as torch ops elsewhere.
+    """
+
+    native: NativeOps | None = None
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -27,10 +34,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.native is not None:
+            fused = self.native.add_rms_norm(x, None, self.weight, self.eps)
+            if fused is not None:
+                return fused[0]
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """Residual add then norm: returns (norm(x + residual), x + residual)."""
+        if self.native is not None:
+            fused = self.native.add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
         residual = x + residual
         return F.rms_norm(residual, self.shape, self.weight, self.eps), residual
 

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul (the activation fused in C
+    when `native` is set)."""
+
+    native: NativeOps | None = None
 
     def __init__(self, args: LlamaArgs, tp: TPGroup) -> None:
         super().__init__()
@@ -143,7 +147,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gu = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
+        act = self.native.silu_mul(gu) if self.native is not None else None
+        if act is None:
+            act = F.silu(gu[:, : self.inter]) * gu[:, self.inter:]
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -225,6 +232,12 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, PackableLinear):
                 tied = module is self.lm_head and self.args.tie_word_embeddings
                 module.use_kernel(kernel, batch_hint, keep_weight=tied)
+
+    def use_native_ops(self, ops: NativeOps) -> None:
+        """Run norms and the MLP activation through the fused C kernels where they accept the input."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.native = ops
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Full-vocab float32 logits [n, vocab] (gathered over ranks)."""

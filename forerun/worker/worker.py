@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -17,9 +18,10 @@ from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
-from forerun.model.attention import AttentionBackend
 from forerun.model.model_source import cache_dir
-from forerun.model.native_attention import NativeDecodeBackend, load_native_kernels
+from forerun.model.native_attention import NativeDecodeBackend
+from forerun.model.native_build import load_native_library
+from forerun.model.native_ops import NativeOps
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
 from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_kernels, measure
@@ -88,23 +90,27 @@ class Worker:
         else:
             self.kernel_choice = choice = self._choose_kernels()
             self.dtype = choice.torch_dtype
-            self.model = load_model(self.folder, self.dtype, self.device, self.tp, self._attention_backend())
+            lib = self._native_library()
+            self.model = load_model(self.folder, self.dtype, self.device, self.tp,
+                                    None if lib is None else NativeDecodeBackend(lib))
+            if lib is not None:
+                self.model.use_native_ops(NativeOps(lib))
             if choice.linear_kernel != "aten":
                 self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch())
         self.runner: ModelRunner | None = None
         self._profiler: torch.profiler.profile | None = None
 
-    def _attention_backend(self) -> AttentionBackend | None:
-        """The C decode kernel on CPU unless stock ops were asked for; None (stock ops) when it won't build."""
-        want = self.config.attention_backend
-        if want == "torch" or self.device.type != "cpu":
-            if want == "native":
-                raise ValueError("attention_backend: the native kernel runs on CPU only")
+    def _native_library(self) -> ctypes.CDLL | None:
+        """forerun's C kernels on CPU unless turned off; None (stock torch ops) when they won't build."""
+        want = self.config.native_kernels
+        if want is False or self.device.type != "cpu":
+            if want:
+                raise ValueError("native_kernels: the C kernels run on CPU only")
             return None
-        lib = load_native_kernels(cache_dir() / "kernels")
-        if lib is None and want == "native":
-            raise ValueError("attention_backend: the native kernel could not be built (see the log)")
-        return None if lib is None else NativeDecodeBackend(lib)
+        lib = load_native_library(cache_dir() / "kernels")
+        if lib is None and want:
+            raise ValueError("native_kernels: the C kernels could not be built (see the log)")
+        return lib
 
     def _decode_batch(self) -> int:
         """The batch size the matmul choice is tuned for: a full decode step, capped where GEMMs saturate."""

@@ -16,28 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+#include "vec.h"
 
 #define MAX_GROUP 16
 /* Rows are read in block order but each is a few cache lines far from the last: fetch PF rows ahead. */
 #define PF 6
-
-static inline v8f load8_f32(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v8f load8_bf16(const uint16_t *p) {
-    v8h h;
-    memcpy(&h, p, sizeof h);
-    v8u u = __builtin_convertvector(h, v8u) << 16;
-    v8f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -85,8 +68,15 @@ static inline void store_bf16(uint16_t *p, float v) {
         for (int64_t g = 0; g < G; g++) {                                                          \
             float *sg = scores + g * max_len, mx = -INFINITY, sum = 0.f;                           \
             for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;                          \
-            _Pragma("omp simd reduction(+ : sum)")                                                 \
-            for (int64_t i = 0; i < n; i++) { sg[i] = expf(sg[i] - mx); sum += sg[i]; }            \
+            int64_t i = 0;                                                                         \
+            v8f vsum = splat8(0.f);                                                                \
+            for (; i + 8 <= n; i += 8) {                                                           \
+                const v8f e = exp8(load8_f32(sg + i) - mx);                                        \
+                store8_f32(sg + i, e);                                                             \
+                vsum += e;                                                                         \
+            }                                                                                      \
+            sum = hsum8(vsum);                                                                     \
+            for (; i < n; i++) { sg[i] = expf(sg[i] - mx); sum += sg[i]; }                         \
             inv_sum[g] = 1.f / sum;                                                                \
         }                                                                                          \
         memset(acc, 0, sizeof(float) * (size_t)(G * D));                                           \

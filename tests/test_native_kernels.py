@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against the stock-PyTorch backend, and its fallbacks."""
+"""forerun's C kernels (decode attention, fused norm and activation) against stock PyTorch, and their fallbacks."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import torch
 
 from forerun import LLM, SamplingParams
 from forerun.model.attention import AttentionMetadata, TorchSDPABackend
-from forerun.model.native_attention import NativeDecodeBackend, load_native_kernels
+from forerun.model.native_attention import NativeDecodeBackend
+from forerun.model.native_build import load_native_library
 
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory) -> NativeDecodeBackend:
-    lib = load_native_kernels(tmp_path_factory.mktemp("kernels"))
+    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return NativeDecodeBackend(lib)
 
@@ -53,14 +54,35 @@ def test_unsupported_shapes_fall_back_to_stock_ops(native):
     assert (got - want).abs().max().item() <= 1e-6
 
 
-def test_engine_tokens_match_with_and_without_the_kernel(tiny_llama_dir):
+def test_engine_tokens_match_with_and_without_the_c_kernels(tiny_llama_dir):
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [[7, 8, 9] * 5, [300, 301], list(range(500, 540))]
     outs = {}
-    for backend in ("torch", "native"):
-        with LLM(model=str(tiny_llama_dir), dtype="float32", attention_backend=backend, block_size=4,
+    for native in (False, True):
+        with LLM(model=str(tiny_llama_dir), dtype="float32", native_kernels=native, block_size=4,
                  show_progress=False) as llm:
-            outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert outs["torch"] == outs["native"]
-    with pytest.raises(ValueError, match="attention_backend"):
-        LLM(model=str(tiny_llama_dir), attention_backend="flash", show_progress=False)
+            outs[native] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert outs[False] == outs[True]
+    with pytest.raises(ValueError, match="native_kernels"):
+        LLM(model=str(tiny_llama_dir), native_kernels="yes", show_progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_activation_match_torch(native, dtype):
+    from forerun.model.native_ops import NativeOps
+    ops = NativeOps(native.lib)
+    gen = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(5, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.rand(96, generator=gen).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    normed, summed = ops.add_rms_norm(x, res, weight, 1e-6)
+    want_sum = x + res
+    assert torch.equal(summed, want_sum), "the sum is rounded to the dtype as torch rounds it"
+    assert (normed.float() - torch.nn.functional.rms_norm(want_sum, (96,), weight, 1e-6).float()).abs().max() <= tol
+    alone, same = ops.add_rms_norm(x, None, weight, 1e-6)
+    assert same is x and (alone.float() - torch.nn.functional.rms_norm(x, (96,), weight, 1e-6).float()).abs().max() <= tol
+    gu = torch.randn(4, 2 * 40, generator=gen).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:]
+    assert (ops.silu_mul(gu).float() - want.float()).abs().max() <= tol
+    assert ops.silu_mul(gu[:, :70]) is None, "a strided view is left to torch"
+    assert ops.add_rms_norm(x.t(), None, weight[:5], 1e-6) is None

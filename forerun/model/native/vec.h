@@ -1,0 +1,59 @@
+/* 8-wide float vectors (GCC vector extensions: AVX2/AVX-512 on x86, NEON on ARM under -march=native),
+ * bf16 conversions, and an exp that vectorises (glibc's vector expf needs -ffast-math, which would
+ * also relax every other operation). */
+#ifndef FORERUN_VEC_H
+#define FORERUN_VEC_H
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline v8f splat8(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
+
+static inline v8f load8_f32(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8_f32(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline v8f load8_bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
+static inline void store8_bf16(uint16_t *p, v8f v) {
+    v8u u = (v8u)v;
+    u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even, as torch does */
+    v8h h = __builtin_convertvector(u >> 16, v8h);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)((mask & (v8i)a) | (~mask & (v8i)b)); }
+
+/* exp(x) to about 2 ulp (Cephes' expf): 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2. */
+static inline v8f exp8(v8f x) {
+    x = select8(x > splat8(88.3762626647949f), splat8(88.3762626647949f), x);
+    x = select8(x < splat8(-87.3365447504f), splat8(-87.3365447504f), x);
+    v8f fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
+    v8i n = __builtin_convertvector(fx, v8i);
+    v8f t = __builtin_convertvector(n, v8f);
+    n -= (v8i)(t > fx) & 1; /* truncation rounds toward zero: floor for negatives */
+    t = __builtin_convertvector(n, v8f);
+    x = x - t * splat8(0.693359375f) - t * splat8(-2.12194440e-4f);
+    v8f y = splat8(1.9875691500e-4f);
+    y = y * x + splat8(1.3981999507e-3f);
+    y = y * x + splat8(8.3334519073e-3f);
+    y = y * x + splat8(4.1665795894e-2f);
+    y = y * x + splat8(1.6666665459e-1f);
+    y = y * x + splat8(5.0000001201e-1f);
+    y = y * x * x + x + splat8(1.0f);
+    return y * (v8f)((n + 127) << 23);
+}
+
+#endif

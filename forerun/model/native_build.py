@@ -1,0 +1,65 @@
+"""Builds forerun's C kernels (`native/*.c`) at first use with the system compiler; loads them via ctypes.
+
+The kernels need no torch headers, so the build takes about a second (plain C, `-O3 -march=native
+-fopenmp`). The library is cached by sources, flags and CPU. When no compiler is found or the build
+fails, `load_native_library` returns None and the model keeps its stock-PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from forerun.platform import cpu_signature
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).with_name("native")).glob("*.c"))
+# gnu11, not c11: strict ISO mode turns off FMA contraction, which halves the kernels' speed.
+# -fno-math-errno lets `omp simd` vectorise expf; no -ffast-math, so the arithmetic stays IEEE.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+_I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+# name -> (restype, argtypes), for both the _f32 and _bf16 variant of each kernel.
+SIGNATURES = {
+    "decode_attention": (_INT, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                                _I64, _F32, _INT, _I64]),
+    "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
+    "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
+}
+
+
+def load_native_library(cache_root: Path) -> ctypes.CDLL | None:
+    """The compiled kernel library (built into `cache_root` when absent), or None when it cannot be built."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler found: the model uses stock PyTorch ops only")
+        return None
+    digest = hashlib.sha1(" ".join([compiler, *CFLAGS, cpu_signature()]).encode())
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    lib_path = cache_root / f"forerun-kernels-{digest.hexdigest()[:16]}.so"
+    if not lib_path.is_file():
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([compiler, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            logger.warning("building the C kernels failed, using stock PyTorch ops:\n%s", proc.stderr[-2000:])
+            tmp.unlink(missing_ok=True)
+            return None
+        tmp.replace(lib_path)  # atomic: a concurrent start never loads half a file
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as exc:
+        logger.warning("loading %s failed (%s): using stock PyTorch ops", lib_path, exc)
+        return None
+    for name, (restype, argtypes) in SIGNATURES.items():
+        for suffix in ("_f32", "_bf16"):
+            fn = getattr(lib, name + suffix)
+            fn.restype, fn.argtypes = restype, argtypes
+    return lib

@@ -1,0 +1,51 @@
+"""Fused residual-add + RMSNorm and SiLU-and-multiply from the C library (`native/fused_ops.c`).
+
+Each replaces four or five torch ops and their temporaries with one pass over memory. `NativeOps`
+answers None where it cannot run an input (another device or dtype, a strided tensor), and the
+caller then uses its stock-PyTorch expression.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+_SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+
+
+class NativeOps:
+    """Thin typed wrappers over the library's fused kernels. Inputs are never modified."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    @staticmethod
+    def _ok(*tensors: Tensor) -> bool:
+        first = tensors[0]
+        return (first.device.type == "cpu" and first.dtype in _SUFFIX
+                and all(t.dtype == first.dtype and t.is_contiguous() for t in tensors))
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor | None, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor] | None:
+        """(norm(x + residual) * weight, x + residual); with no residual, (norm(x) * weight, x)."""
+        extra = () if residual is None else (residual,)
+        if x.dim() != 2 or not self._ok(x, weight, *extra):
+            return None
+        out = torch.empty_like(x)
+        res_out = torch.empty_like(x) if residual is not None else x
+        fn = getattr(self.lib, "add_rms_norm" + _SUFFIX[x.dtype])
+        fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+           res_out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return out, res_out
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor | None:
+        """silu(gate) * up for gate_up = [rows, 2 * inter] holding gate then up."""
+        if gate_up.dim() != 2 or not self._ok(gate_up):
+            return None
+        inter = gate_up.shape[1] // 2
+        out = gate_up.new_empty(gate_up.shape[0], inter)
+        fn = getattr(self.lib, "silu_mul" + _SUFFIX[gate_up.dtype])
+        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
+        return out
