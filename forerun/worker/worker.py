@@ -183,14 +183,12 @@ class Worker:
         return out if self.rank == 0 else None
 
     def matmul_peak_gflops(self) -> float:
-        """GFLOPS of this rank's matmuls at the model's decode shapes with the dtype and kernel in use:
-        the limit one forward step can reach (measured now unless the start-up probe measured it)."""
+        """GFLOPS of this rank's matmuls at the model's decode shapes with the dtype and kernel in use,
+        measured now: the limit one forward step can reach, taken in the same run as the figure it bounds."""
         choice = self.kernel_choice
-        name = f"{choice.dtype}/{choice.linear_kernel}"
-        if name in choice.gflops:
-            return choice.gflops[name]
-        return measure(model_matmul_shapes(self.hf_config, self.world_size), self._decode_batch(),
-                       choice.torch_dtype, choice.linear_kernel)
+        shapes = model_matmul_shapes(self.hf_config, self.world_size)
+        return measure(shapes, self._decode_batch(), [(choice.torch_dtype, choice.linear_kernel)])[
+            f"{choice.dtype}/{choice.linear_kernel}"]
 
     def start_profile(self) -> None:
         """Profile this thread's torch ops (the profiler sees only the thread that starts it)."""
