@@ -151,6 +151,21 @@ def test_ignore_eos_and_min_tokens_extra_fields(client, tiny_llama_dir):
     assert n >= k + 2 and reason in ("stop", "length")
 
 
+def test_response_format_json_schema(client):
+    # The core process once handed EngineCore a grammar manager where it expects a factory, so every
+    # structured request through the server was refused.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON please"}],
+                                       temperature=0.0, max_tokens=40,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "answer", "schema": schema}})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length") and text.lstrip().startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text)["ok"], bool)
+
+
 BAD_REQUESTS = [
     ("wrong type", {"prompt": "hi", "max_tokens": "lots"}, 400, "max_tokens"),
     ("max_tokens < 1", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -161,6 +176,10 @@ BAD_REQUESTS = [
     ("seed past 64 bits", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
     ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
+    # Found by the fuzz test: n had no bound (n = 2**64 hung the server building children) and a huge
+    # top_k overflowed the worker's int64 tensor, failing the whole step.
+    ("n past 128", {"prompt": "hi", "n": 2**64}, 400, "n"),
+    ("top_k past 2**31", {"prompt": "hi", "top_k": 10**30}, 400, "top_k"),
 ]
 
 
@@ -172,6 +191,19 @@ def test_bad_request_then_good_one(server, client, name, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("kwargs,param", [({"add_generation_prompt": "x"}, "chat_template_kwargs"),
+                                          ({"messages": 1}, "chat_template_kwargs"),
+                                          ({"tools": 5}, "tools")])
+def test_chat_template_kwargs_refused_with_400(server, client, kwargs, param):
+    # These reached the template as clashing or wrongly typed arguments: a TypeError, answered with 500.
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=server.headers,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                         "chat_template_kwargs": kwargs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).choices[0].message.content is not None
 
 
 def test_invalid_json_wrong_key_and_openai_client_errors(server, client):
@@ -287,6 +319,8 @@ def test_real_model_paris_then_engine_death_gives_503(smollm2_dir):
         with pytest.raises(openai.APIStatusError) as info:
             c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert info.value.status_code == 503
+        # Then it exits on its own, non-zero, so a supervisor restarts it.
+        assert srv.proc.wait(timeout=30) == 1, srv.log()
     finally:
         code, left = stop_server(srv)
     assert not left

@@ -8,7 +8,6 @@ free-form fields (`extra`, structured-output specs); the hot return path is type
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
@@ -33,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.1  # how often a busy core reports its stats
 _IDLE_POLL_MS = 100  # an idle core wakes this often to see whether its parent is still alive
+HEALTH_INTERVAL_S = 0.5  # how often the core checks that its workers still run (also right after a failed step)
 
 
 class EngineDeadError(RuntimeError):
@@ -115,13 +115,13 @@ def _build_core(config: EngineConfig, model_folder: Path) -> Any:
     # Imported here so the API process never imports torch through this module.
     from forerun.engine.engine_core import EngineCore
     from forerun.engine.llm_engine import make_structured_manager
-    structured = None
-    if config.runner == "generate":
-        cfg = json.loads((model_folder / "config.json").read_text())
-        vocab = cfg.get("vocab_size")
-        if isinstance(vocab, int):
-            structured = make_structured_manager(model_folder, vocab)
-    return EngineCore(config, model_folder, structured)
+    if config.runner != "generate":
+        return EngineCore(config, model_folder, None)
+    built: list[Any] = []
+    # A factory, not a manager: EngineCore builds it on the first structured request (importing the
+    # grammar library costs about a second), with the vocabulary size the core read from the model.
+    built.append(EngineCore(config, model_folder, lambda: make_structured_manager(model_folder, built[0].vocab_size)))
+    return built[0]
 
 
 class _CoreLoop:
@@ -144,6 +144,7 @@ class _CoreLoop:
         self.generated = 0
         self.steps = 0
         self.last_stats = 0.0
+        self.last_health = time.monotonic()
 
     def run(self) -> None:
         from forerun.engine.engine_core import EngineStepError
@@ -161,9 +162,22 @@ class _CoreLoop:
                     outputs = self.core.run_step()
                 except EngineStepError as exc:
                     outputs = exc.outputs  # every pending request ends with an error; keep serving
+                    self.last_health = 0.0  # unless the step failed because a worker is gone
                 self.steps += 1
                 self.generated += sum(len(o.new_token_ids) for o in outputs)
             self._send(outputs, went_idle=busy and not self.core.has_unfinished_requests())
+            self._check_workers()
+
+    def _check_workers(self) -> None:
+        """Raise (ending the core with a fatal message) when a worker died.
+
+        A dead worker fails the step in flight, but the core would otherwise look healthy until the
+        next request reached the executor: /health must say so at once, so a supervisor restarts us.
+        """
+        now = time.monotonic()
+        if now - self.last_health >= HEALTH_INTERVAL_S:
+            self.last_health = now
+            self.core.executor.check_health()
 
     def _drain_commands(self, timeout_ms: int) -> None:
         if not self.inp.poll(timeout_ms):
