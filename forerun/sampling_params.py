@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -56,13 +57,14 @@ class SamplingParams:
 
     def validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 <= self.temperature < math.inf, "temperature", f"must be finite and >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-               f"must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
+        # Bounded so it fits the worker's int64 tensors; any k past the vocabulary means "off" anyway.
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < 2**31, "top_k",
+               f"must be 0 or -1 (off) or a positive integer below 2**31, got {self.top_k!r}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be > 0, got {self.repetition_penalty}")
+        _check(0.0 < self.repetition_penalty < math.inf, "repetition_penalty",
+               f"must be finite and > 0, got {self.repetition_penalty}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
                f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",

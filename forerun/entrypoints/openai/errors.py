@@ -90,3 +90,10 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, on_any)  # type: ignore[arg-type]
     app.add_exception_handler(ValueError, on_any)  # type: ignore[arg-type]
     app.add_exception_handler(EngineDeadError, on_any)  # type: ignore[arg-type]
+    # Engine errors (a failed step before a stream's first chunk) are RuntimeErrors: answered here, the
+    # connection stays usable; the `Exception` handler below runs in Starlette's outer middleware,
+    # which re-raises after answering and so drops the client's keep-alive connection.
+    app.add_exception_handler(RuntimeError, on_any)  # type: ignore[arg-type]
+    # Anything else (an engine error before a stream's first chunk, a bug) still gets an OpenAI-style
+    # body: clients parse `error.message`, and Starlette's default is a plain-text 500.
+    app.add_exception_handler(Exception, on_any)

@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from forerun.sampling_params import SamplingParams
 
 
+MAX_N = 128  # OpenAI's limit on completions per prompt; an unbounded n lets one request fill the server
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -64,6 +67,8 @@ class SamplingRequest(OpenAIModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be an integer in [1, {MAX_N}], got {self.n}")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,

@@ -18,12 +18,28 @@ from forerun.entrypoints.openai.serving_base import (SSE_DONE, ClientDisconnecte
 from forerun.outputs import RequestOutput
 
 
+# Template variables the request's own fields set; passed again they would clash (TypeError).
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt"})
+
+
 class OpenAIServingChat(ServingBase):
     """The prompt is the template's text encoded without extra special tokens (the template holds them)."""
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        text = self.tokenizer.apply_chat_template(req.message_dicts(), add_generation_prompt=req.add_generation_prompt,
-                                                  **(req.chat_template_kwargs or {}))
+        """ValueError naming the field when the template cannot render this request."""
+        messages = req.message_dicts()
+        kwargs = req.chat_template_kwargs or {}
+        clash = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if clash:
+            raise ValueError(f"chat_template_kwargs: {clash} are set by the request's own fields, not here")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      **kwargs)
+        except ValueError:
+            raise
+        except Exception as exc:  # the template is user-facing code: whatever it raises is about this input
+            field = "chat_template_kwargs" if kwargs else "messages"
+            raise ValueError(f"{field}: the chat template could not render this request ({exc!r})") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
