@@ -33,7 +33,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     """An app serving `engine` under `served_model_name`.
 
     The app owns the engine's life: its startup starts the output reader, its shutdown stops the core
-    process. With `api_key`, every /v1 route needs `Authorization: Bearer <api_key>`.
+    process. With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` (a liveness
+    probe carries no key; /metrics and /docs would tell a stranger what runs here).
     """
     metrics = ServerMetrics(served_model_name)
     completions = OpenAIServingCompletion(engine, served_model_name, metrics)
@@ -97,15 +98,21 @@ def _require_generation(engine: AsyncLLM) -> None:
                        param="model", code="model_not_supported")
 
 
+_OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+
+
 class _ApiKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware), so streaming responses and disconnects pass through untouched."""
+    """Plain ASGI (not BaseHTTPMiddleware), so streaming responses and disconnects pass through untouched.
+
+    Unknown paths are refused too (401, not 404), so a stranger cannot map the routes.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = JSONResponse(error_body("Incorrect API key provided.", "invalid_request_error",
@@ -115,17 +122,42 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+ENGINE_DEAD_EXIT_DELAY_S = 3.0  # /health answers 503 this long before the server exits, so probes see why
+_WATCH_INTERVAL_S = 0.2
+
+
 class _Server(uvicorn.Server):
-    """On the first SIGINT/SIGTERM, also end every in-flight request so connections drain at once."""
+    """On the first SIGINT/SIGTERM, also end every in-flight request so connections drain at once.
+
+    When the engine dies under it (core crash, killed worker) the server cannot recover: after a short
+    delay it shuts down and `engine_failed` is set, so `run_server` exits non-zero and a supervisor
+    restarts it. Pending requests have already ended with an error by then.
+    """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
         super().__init__(config)
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.engine_failed: str | None = None
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
         self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watchdog = self.loop.create_task(self._watch_engine(), name="forerun-engine-watchdog")
+        try:
+            await super().serve(sockets)
+        finally:
+            watchdog.cancel()
+
+    async def _watch_engine(self) -> None:
+        while not self.should_exit:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            # A dead engine after a shutdown signal is the plan; before one, it is a failure.
+            if self.engine.is_dead and not self.should_exit:
+                self.engine_failed = self.engine.dead_reason or "engine is down"
+                logger.error("%s; the server exits in %.0f s", self.engine_failed, ENGINE_DEAD_EXIT_DELAY_S)
+                await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
+                self.should_exit = True
+                return
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.should_exit
@@ -144,6 +176,9 @@ def run_server(args: argparse.Namespace) -> None:
         uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                    timeout_graceful_shutdown=10)
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)
-        _Server(uv_config, engine).run()
+        server = _Server(uv_config, engine)
+        server.run()
     finally:
         engine.shutdown()
+    if server.engine_failed:
+        raise SystemExit(f"forerun serve: {server.engine_failed}; exiting with status 1 so a supervisor restarts it")
