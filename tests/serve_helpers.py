@@ -39,6 +39,17 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and all its descendants (the API process, the core and its workers)."""
+    total = 0
+    for p in {pid} | descendants(pid):
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass  # exited meanwhile
+    return total
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -62,7 +73,7 @@ class Server:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base_url}/metrics", headers=self.headers, timeout=10).text
         values: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -71,14 +82,17 @@ class Server:
         return values
 
 
-def start_server(model: str | Path | None, *args: str, api_key: str | None = None, timeout_s: float = 180) -> Server:
+def start_server(model: str | Path | None, *args: str, api_key: str | None = None, timeout_s: float = 180,
+                 env: dict[str, str] | None = None) -> Server:
+    """`api_key` is passed as --api-key; a key given only through `env` (FORERUN_API_KEY) is the caller's to
+    send, so set `Server.api_key` afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "forerun.entrypoints.serve"] + ([str(model)] if model else []) + [
         "--port", str(port), "--uvicorn-log-level", "warning", *args]
     if api_key:
         cmd += ["--api-key", api_key]
     log_path = Path(tempfile.mkstemp(prefix="forerun-serve-", suffix=".log")[1])
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     server = Server(proc, f"http://127.0.0.1:{port}", api_key, log_path)
     deadline = time.monotonic() + timeout_s
