@@ -37,6 +37,9 @@ class ScriptedCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
 
+    def check_health(self) -> None:
+        """Its workers are fine: the failed step was the step's own fault, so the loop keeps serving."""
+
     def run_step(self) -> list[EngineCoreOutput]:
         ids, self.pending = self.pending, []
         if not self.failed_once:

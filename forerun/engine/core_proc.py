@@ -177,7 +177,7 @@ class _CoreLoop:
         now = time.monotonic()
         if now - self.last_health >= HEALTH_INTERVAL_S:
             self.last_health = now
-            self.core.executor.check_health()
+            self.core.check_health()
 
     def _drain_commands(self, timeout_ms: int) -> None:
         if not self.inp.poll(timeout_ms):

@@ -125,6 +125,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
+    def check_health(self) -> None:
+        """Raise when a worker is gone: no later step can succeed."""
+        self.executor.check_health()
+
     def run_step(self) -> list[EngineCoreOutput]:
         out = self.step_with_batch_queue() if self.async_mode else self.step()
         return self.scheduler.take_error_outputs() + (out or [])
