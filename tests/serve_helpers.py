@@ -82,6 +82,17 @@ class Server:
         return values
 
 
+def wait_idle(server: Server, timeout_s: float = 15) -> dict[str, float]:
+    """Metrics once nothing runs or waits and no block is held (or the last reading at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if (m["forerun:num_requests_running"] == 0 and m["forerun:num_requests_waiting"] == 0
+                and m["forerun:kv_cache_blocks_used"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 def start_server(model: str | Path | None, *args: str, api_key: str | None = None, timeout_s: float = 180,
                  env: dict[str, str] | None = None) -> Server:
     """`api_key` is passed as --api-key; a key given only through `env` (FORERUN_API_KEY) is the caller's to

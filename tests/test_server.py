@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from forerun import LLM, SamplingParams
-from serve_helpers import Server, alive, descendants, start_server, stop_server
+from serve_helpers import alive, descendants, start_server, stop_server, wait_idle
 
 API_KEY = "test-key"
 NUM_BLOCKS = 256
@@ -35,16 +35,6 @@ def server(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-def wait_idle(server: Server, timeout_s: float = 10) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        if (m["forerun:num_requests_running"] == 0 and m["forerun:num_requests_waiting"] == 0
-                and m["forerun:kv_cache_blocks_used"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
 
 
 def test_models_health_and_completion(server, client):

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from fuzz_bodies import CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, mutations
-from serve_helpers import Server, alive, descendants, start_server, stop_server, tree_rss_bytes
+from serve_helpers import Server, alive, descendants, start_server, stop_server, tree_rss_bytes, wait_idle
 from sse_client import StreamResult, stream, whole
 
 API_KEY = "robust-key"
@@ -56,17 +56,6 @@ def server(tiny_llama_dir):
 def async_client(server: Server) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=CLIENTS * 2, max_keepalive_connections=CLIENTS * 2)
     return httpx.AsyncClient(base_url=server.base_url, headers=server.headers, limits=limits, timeout=60)
-
-
-def wait_idle(server: Server, timeout_s: float = 15) -> dict[str, float]:
-    """Metrics once nothing runs or waits and no block is held (or the last reading at the deadline)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = server.metrics()
-        if (m["forerun:num_requests_running"] == 0 and m["forerun:num_requests_waiting"] == 0
-                and m["forerun:kv_cache_blocks_used"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
 
 
 def assert_no_leak(m: dict[str, float]) -> None:

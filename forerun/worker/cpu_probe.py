@@ -1,7 +1,7 @@
 """Which dtype and matmul kernel run a model's decode step fastest on this CPU: measured once, cached.
 
 CPUs of one name disagree: on one machine fp32 matmuls beat bf16, on another (avx512_bf16) bf16 is
-2-3x faster, and on a machine without AVX-512 bf16 is emulated and 5x slower. So `dtype="auto"`
+2-3x faster, and on a machine without AVX-512 bf16 is emulated and 7x slower. So `dtype="auto"`
 times every (dtype, kernel) pair on the model's own matmul shapes at its decode batch size and keeps
 the fastest. The answer is cached under the forerun cache folder, keyed by CPU model and flags,
 torch version, thread count and shapes, so only the first start on a machine pays (about a second).
