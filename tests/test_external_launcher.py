@@ -22,19 +22,17 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Hello", "The capital of France is a city that",
            "One two three four five six seven eight nine ten eleven twelve", "Why"]
 
-# Each rank builds a sync and then an async engine in one process (the second reuses the process
-# group, which the engine leaves to the script), and writes both outputs to its own file.
-RANK_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    import torch.distributed as dist
-    from forerun import LLM, SamplingParams
-    model, out_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+# The end of every rank script: a sync and then an async engine in one process (the second reuses the
+# process group, which the engine leaves to the script) run `requests()`, and both outputs go to
+# this rank's own file.
+RUN_BOTH_MODES = textwrap.dedent("""
     result = {}
     for mode in ("sync", "async"):
         llm = LLM(model=model, distributed_executor_backend="external_launcher",
                   tensor_parallel_size=int(os.environ["WORLD_SIZE"]), async_scheduling=mode == "async",
                   show_progress=False)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        prompts, params = requests()
+        outs = llm.generate(prompts, params, use_tqdm=False)
         result[mode] = [list(o.outputs[0].token_ids) for o in outs]
         llm.shutdown()
     dist.destroy_process_group()
@@ -42,6 +40,14 @@ RANK_SCRIPT = textwrap.dedent("""
         json.dump(result, f)
 """)
 
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch.distributed as dist
+    from forerun import LLM, SamplingParams
+    model, out_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    def requests():
+        return prompts, SamplingParams(temperature=0.0, max_tokens=16)
+""") + RUN_BOTH_MODES
 
 # Structured requests whose grammars compile later on rank 1 than on rank 0 (a delay is injected
 # there), mixed with plain ones that run meanwhile: each rank must still admit them at the same step.
@@ -59,19 +65,7 @@ STRUCTURED_RANK_SCRIPT = textwrap.dedent("""
             time.sleep(delay)
             return compile_now(self, key)
         XGrammarBackend.compile = compile_late
-    result = {}
-    for mode in ("sync", "async"):
-        llm = LLM(model=model, distributed_executor_backend="external_launcher",
-                  tensor_parallel_size=int(os.environ["WORLD_SIZE"]), async_scheduling=mode == "async",
-                  show_progress=False)
-        prompts, params = requests()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        result[mode] = [list(o.outputs[0].token_ids) for o in outs]
-        llm.shutdown()
-    dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(result, f)
-""")
+""") + RUN_BOTH_MODES
 
 STRUCTURED_REQUESTS = textwrap.dedent("""
     from forerun import SamplingParams
@@ -107,6 +101,13 @@ def run_torchrun(script: Path, *args: str, timeout: float = 120) -> str:
     return log
 
 
+def assert_every_rank_matches(out_dir: Path, ref: list[list[int]]) -> None:
+    for rank in (0, 1):
+        result = json.loads((out_dir / f"rank{rank}.json").read_text())
+        assert result["sync"] == ref, f"rank {rank} sync"
+        assert result["async"] == ref, f"rank {rank} async"
+
+
 @pytest.fixture(scope="module")
 def varied_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     """tiny_llama_dir's shape with larger random weights, so greedy outputs are not one repeated token."""
@@ -121,10 +122,7 @@ def test_torchrun_tp2_matches_uni_sync_and_async(varied_llama_dir, tmp_path):
     script = tmp_path / "rank_script.py"
     script.write_text(RANK_SCRIPT)
     run_torchrun(script, str(varied_llama_dir), str(tmp_path), json.dumps(PROMPTS))
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["sync"] == ref, f"rank {rank} sync"
-        assert result["async"] == ref, f"rank {rank} async"
+    assert_every_rank_matches(tmp_path, ref)
 
 
 def test_torchrun_tp2_structured_grammars_ready_at_different_times_on_each_rank(varied_llama_dir, tmp_path):
@@ -143,10 +141,7 @@ def test_torchrun_tp2_structured_grammars_ready_at_different_times_on_each_rank(
     script = tmp_path / "rank_script.py"
     script.write_text(STRUCTURED_RANK_SCRIPT)
     run_torchrun(script, str(varied_llama_dir), str(tmp_path), "1.5", timeout=180)
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["sync"] == ref, f"rank {rank} sync"
-        assert result["async"] == ref, f"rank {rank} async"
+    assert_every_rank_matches(tmp_path, ref)
 
 
 def test_missing_launcher_environment_is_a_clear_error(monkeypatch, varied_llama_dir):
