@@ -86,3 +86,15 @@ def test_fused_norm_and_activation_match_torch(native, dtype):
     assert (ops.silu_mul(gu).float() - want.float()).abs().max() <= tol
     assert ops.silu_mul(gu[:, :70]) is None, "a strided view is left to torch"
     assert ops.add_rms_norm(x.t(), None, weight[:5], 1e-6) is None
+
+
+def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
+    from forerun.model import native_build
+    cache = tmp_path / "kernels"
+    assert native_build.load_native_library(cache) is not None
+    first = {p.name for p in cache.glob("*.so")}
+    extra = tmp_path / "extra.h"
+    extra.write_text("/* a header the kernels include changed */\n")
+    monkeypatch.setattr(native_build, "HEADERS", native_build.HEADERS + [extra])
+    assert native_build.load_native_library(cache) is not None
+    assert len({p.name for p in cache.glob("*.so")} - first) == 1, "a stale library must not be reused"

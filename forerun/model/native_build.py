@@ -19,7 +19,9 @@ from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).with_name("native")).glob("*.c"))
+NATIVE_DIR = Path(__file__).with_name("native")
+SOURCES = sorted(NATIVE_DIR.glob("*.c"))
+HEADERS = sorted(NATIVE_DIR.glob("*.h"))  # not compiled on their own, but part of the cache key
 # gnu11, not c11: strict ISO mode turns off FMA contraction, which halves the kernels' speed.
 # -fno-math-errno lets `omp simd` vectorise expf; no -ffast-math, so the arithmetic stays IEEE.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
@@ -40,7 +42,7 @@ def load_native_library(cache_root: Path) -> ctypes.CDLL | None:
         logger.info("no C compiler found: the model uses stock PyTorch ops only")
         return None
     digest = hashlib.sha1(" ".join([compiler, *CFLAGS, cpu_signature()]).encode())
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     lib_path = cache_root / f"forerun-kernels-{digest.hexdigest()[:16]}.so"
     if not lib_path.is_file():
