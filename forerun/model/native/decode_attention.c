@@ -22,19 +22,6 @@
 /* Rows are read in block order but each is a few cache lines far from the last: fetch PF rows ahead. */
 #define PF 6
 
-static inline float hsum8(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-static inline void store_f32(float *p, float v) { *p = v; }
-
-static inline void store_bf16(uint16_t *p, float v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even, as torch does */
-    *p = (uint16_t)(u >> 16);
-}
-
 /* One (sequence, kv head): scores for every position and query head, softmax, weighted V sum. */
 #define ATTEND_ONE(T, LOAD8, STORE)                                                                \
     {                                                                                              \
@@ -52,10 +39,7 @@ static inline void store_bf16(uint16_t *p, float v) {
         }                                                                                          \
         for (int64_t i = 0; i < n; i++) {                                                          \
             const T *k = K + slots[i];                                                             \
-            if (i + PF < n) {                                                                      \
-                const char *nx = (const char *)(K + slots[i + PF]);                                \
-                for (int64_t o = 0; o < D * (int64_t)sizeof(T); o += 64) __builtin_prefetch(nx + o); \
-            }                                                                                      \
+            if (i + PF < n) prefetch_row(K + slots[i + PF], D * (int64_t)sizeof(T));              \
             v8f a[MAX_GROUP];                                                                      \
             for (int64_t g = 0; g < G; g++) a[g] = (v8f){0};                                       \
             for (int64_t d = 0; d < D; d += 8) {                                                   \
@@ -82,10 +66,7 @@ static inline void store_bf16(uint16_t *p, float v) {
         memset(acc, 0, sizeof(float) * (size_t)(G * D));                                           \
         for (int64_t i = 0; i < n; i++) {                                                          \
             const T *v = V + slots[i];                                                             \
-            if (i + PF < n) {                                                                      \
-                const char *nx = (const char *)(V + slots[i + PF]);                                \
-                for (int64_t o = 0; o < D * (int64_t)sizeof(T); o += 64) __builtin_prefetch(nx + o); \
-            }                                                                                      \
+            if (i + PF < n) prefetch_row(V + slots[i + PF], D * (int64_t)sizeof(T));              \
             for (int64_t d = 0; d < D; d += 8) {                                                   \
                 const v8f vv = LOAD8(v + d);                                                       \
                 for (int64_t g = 0; g < G; g++) {                                                  \
@@ -129,5 +110,5 @@ static inline void store_bf16(uint16_t *p, float v) {
         return failed;                                                                             \
     }
 
-DECODE_ATTENTION(decode_attention_f32, float, load8_f32, store_f32)
-DECODE_ATTENTION(decode_attention_bf16, uint16_t, load8_bf16, store_bf16)
+DECODE_ATTENTION(decode_attention_f32, float, load8_f32, st_f32)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, load8_bf16, st_bf16)

@@ -8,21 +8,6 @@
 
 #include "vec.h"
 
-static inline float ld_f32(const float *p) { return *p; }
-static inline void st_f32(float *p, float v) { *p = v; }
-static inline float ld_bf16(const uint16_t *p) {
-    uint32_t u = (uint32_t)(*p) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline void st_bf16(uint16_t *p, float v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    u += 0x7FFF + ((u >> 16) & 1);
-    *p = (uint16_t)(u >> 16);
-}
-
 /* res_out = x + residual (when residual is given, else x); out = res_out / rms(res_out) * weight.
  * The sum is rounded to T before the norm reads it, exactly as `x + residual` in torch would be. */
 #define ADD_RMS_NORM(NAME, T, LD, ST)                                                              \

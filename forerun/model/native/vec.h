@@ -11,6 +11,24 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
+/* Scalar loads and stores; bf16 rounds to nearest even, as torch does. */
+static inline float ld_f32(const float *p) { return *p; }
+static inline void st_f32(float *p, float v) { *p = v; }
+
+static inline float ld_bf16(const uint16_t *p) {
+    uint32_t u = (uint32_t)(*p) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void st_bf16(uint16_t *p, float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u += 0x7FFF + ((u >> 16) & 1);
+    *p = (uint16_t)(u >> 16);
+}
+
 static inline v8f splat8(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 
 static inline v8f load8_f32(const float *p) {
@@ -32,6 +50,15 @@ static inline void store8_bf16(uint16_t *p, v8f v) {
     u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even, as torch does */
     v8h h = __builtin_convertvector(u >> 16, v8h);
     memcpy(p, &h, sizeof h);
+}
+
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* Ask for every cache line of a row that will be read soon. */
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o);
 }
 
 static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)((mask & (v8i)a) | (~mask & (v8i)b)); }
