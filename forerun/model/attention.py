@@ -114,13 +114,19 @@ class AttentionMetadata:
             self._memo[key] = torch.empty(shape, dtype=dtype, device=device)
         return self._memo[key]
 
-    def masks(self, dtype: torch.dtype, window: int | None) -> tuple[Tensor | None, list[Tensor | None]]:
-        """Additive masks (0 / -inf): decode [num_decode, 1, 1, decode_len] and one per prefill
-        chunk [q, k]; None where plain causal (or no) masking is exact. Built once per step."""
-        key = (dtype, window)
+    def decode_mask(self, dtype: torch.dtype, window: int | None) -> Tensor | None:
+        """Additive mask (0 / -inf) [num_decode, 1, 1, decode_len] for the padded decode gather; None
+        where no masking is needed. Built once per step, and only by a backend that reads it."""
+        key = ("decode_mask", dtype, window)
         if key not in self._memo:
-            self._memo[key] = (self._decode_mask(dtype, window),
-                               [self._prefill_mask(c, dtype, window) for c in self.prefills])
+            self._memo[key] = self._decode_mask(dtype, window)
+        return self._memo[key]
+
+    def prefill_masks(self, dtype: torch.dtype, window: int | None) -> list[Tensor | None]:
+        """One additive mask [q, k] per prefill chunk; None where plain causal masking is exact."""
+        key = ("prefill_masks", dtype, window)
+        if key not in self._memo:
+            self._memo[key] = [self._prefill_mask(c, dtype, window) for c in self.prefills]
         return self._memo[key]
 
     def _decode_mask(self, dtype: torch.dtype, window: int | None) -> Tensor | None:
@@ -193,14 +199,13 @@ class TorchSDPABackend:
         flat = kv_cache.view(2, -1, kv_heads, dim)
         flat[0].index_copy_(0, meta.slot_mapping, k)
         flat[1].index_copy_(0, meta.slot_mapping, v)
-        decode_mask, prefill_masks = meta.masks(q.dtype, window)
         if meta.all_decode:
-            return self._decode(q, kv_cache, meta, decode_mask, scale, window)
+            return self._decode(q, kv_cache, meta, scale, window)
         out = q.new_empty(num_tokens, heads * dim)
         if meta.decode_token_idx is not None:
             dq = q.index_select(0, meta.decode_token_idx)
-            out.index_copy_(0, meta.decode_token_idx, self._decode(dq, kv_cache, meta, decode_mask, scale, window))
-        for chunk, mask in zip(meta.prefills, prefill_masks):
+            out.index_copy_(0, meta.decode_token_idx, self._decode(dq, kv_cache, meta, scale, window))
+        for chunk, mask in zip(meta.prefills, meta.prefill_masks(q.dtype, window)):
             qi = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
             if chunk.slots is None:
                 ki, vi = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
@@ -212,9 +217,9 @@ class TorchSDPABackend:
             out[chunk.start:chunk.end] = res[0].transpose(0, 1).reshape(chunk.end - chunk.start, heads * dim)
         return out
 
-    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, mask: Tensor | None,
-                scale: float, window: int | None = None) -> Tensor:
-        """Decode rows attended together; `mask` already encodes `window` (subclasses may use it instead)."""
+    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None) -> Tensor:
+        """Decode rows attended together over their gathered, padded K/V."""
         assert meta.decode_blocks is not None
         _, num_blocks, block_size, kv_heads, dim = kv_cache.shape
         rows, heads = q.shape[0], q.shape[1]
@@ -227,5 +232,6 @@ class TorchSDPABackend:
         torch.index_select(cache_rows, 0, index, out=ctx)
         ctx = ctx.view(2, rows, meta.decode_len, kv_heads, dim).transpose(2, 3)
         qg = q.view(rows, kv_heads, heads // kv_heads, dim)
+        mask = meta.decode_mask(q.dtype, window)
         res = F.scaled_dot_product_attention(qg, ctx[0], ctx[1], attn_mask=mask, scale=scale)
         return res.reshape(rows, heads * dim)

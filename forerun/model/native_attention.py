@@ -26,14 +26,14 @@ class NativeDecodeBackend(TorchSDPABackend):
         self.lib = lib
         self.kernels = {torch.float32: lib.decode_attention_f32, torch.bfloat16: lib.decode_attention_bf16}
 
-    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, mask: Tensor | None,
-                scale: float, window: int | None = None) -> Tensor:
+    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None) -> Tensor:
         rows, heads, dim = q.shape
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
         kernel = self.kernels.get(q.dtype)
         if (kernel is None or q.device.type != "cpu" or kv_cache.dtype != q.dtype or not kv_cache.is_contiguous()
                 or heads // kv_heads > MAX_GROUP or dim % 8 or q.stride(2) != 1 or q.stride(1) != dim):
-            return super()._decode(q, kv_cache, meta, mask, scale, window)
+            return super()._decode(q, kv_cache, meta, scale, window)
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         out = q.new_empty(rows, heads * dim)
         failed = kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), meta.decode_blocks.data_ptr(),
