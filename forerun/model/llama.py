@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from forerun.model.native_gemv import BF16WeightGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
 
@@ -225,13 +226,19 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, cache, attn)
         return m.norm.add_forward(hidden, residual)[0]
 
-    def use_linear_kernel(self, kernel: str, batch_hint: int) -> None:
-        """Switch every matmul to `kernel` (see forerun.model.linear_kernels); weights must be loaded.
-        Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's."""
+    def use_linear_kernel(self, kernel: str, batch_hint: int, gemv: BF16WeightGemv | None = None,
+                          gemv_rows: int = 0) -> tuple[int, int]:
+        """Switch every matmul to `kernel` (see forerun.model.linear_kernels), and inputs of at most
+        `gemv_rows` rows to `gemv` where it reads the weight exactly; weights must be loaded.
+        Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's.
+        Returns (matmuls on `gemv`, all matmuls)."""
+        on_gemv = total = 0
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 tied = module is self.lm_head and self.args.tie_word_embeddings
-                module.use_kernel(kernel, batch_hint, keep_weight=tied)
+                on_gemv += module.use_kernel(kernel, batch_hint, keep_weight=tied, gemv=gemv, gemv_rows=gemv_rows)
+                total += 1
+        return on_gemv, total
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms and the MLP activation through the fused C kernels where they accept the input."""
