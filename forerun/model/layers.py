@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forerun.model.linear_kernels import LinearFn, make_linear, split_by_rows
-from forerun.model.native_gemv import BF16WeightGemv
+from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
 
@@ -107,21 +108,24 @@ class PackableLinear(nn.Module):
 
     Invariant: until `use_kernel` is called, `matmul` is plain `F.linear` over `weight`; afterwards
     it uses copies made from the loaded weight (so weights must be loaded first): a prepacked one,
-    and for small inputs a bf16 one where that is exact.
+    and for small inputs a compact one that expands exactly to `weight`.
     """
 
     weight: nn.Parameter
+    compact: CompactWeight | None = None  # a checkpoint's own compact form of `weight` (GGUF blocks)
     _matmul: LinearFn | None = None
 
     def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
-                   gemv: BF16WeightGemv | None = None, gemv_rows: int = 0) -> bool:
-        """Use `kernel` from now on, and `gemv` for inputs of at most `gemv_rows` rows where it can read
-        this weight exactly (answers whether it can). Without `keep_weight` a packed layer frees its
-        dense weight (the packed copy is all it reads), which halves the memory its matmul holds."""
+                   gemv: CompactGemv | None = None, gemv_rows: int = 0) -> bool:
+        """Use `kernel` from now on, and `gemv` for inputs of at most `gemv_rows` rows over a compact form
+        of this weight (`compact`, else bf16 where that is exact); answers whether it can. Without
+        `keep_weight` a packed layer frees its dense weight (the packed copy is all it reads)."""
         bias = getattr(self, "bias", None) if with_bias else None
         weight = self.weight.detach()
         large = None if kernel == "aten" else make_linear(weight, bias, kernel, batch_hint)
-        small = gemv.linear(weight, bias) if gemv is not None and gemv_rows > 0 else None
+        small = None
+        if gemv is not None and gemv_rows > 0:
+            small = gemv.linear(self.compact or CompactWeight.bf16_of(weight), bias)
         if small is not None:
             self._matmul = split_by_rows(small, large or (lambda x: F.linear(x, weight, bias)), gemv_rows)
         else:
@@ -194,7 +198,7 @@ class RowParallelLinear(PackableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
-                   gemv: BF16WeightGemv | None = None, gemv_rows: int = 0) -> bool:
+                   gemv: CompactGemv | None = None, gemv_rows: int = 0) -> bool:
         # With several ranks the bias is added once, after the all-reduce.
         return super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1, keep_weight=keep_weight,
                                   gemv=gemv, gemv_rows=gemv_rows)

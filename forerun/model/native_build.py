@@ -35,7 +35,7 @@ SIGNATURES = {
 }
 # Kernels with an fp32 variant only.
 SIGNATURES_F32 = {
-    "gemv_bf16w": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+    "gemv_compact": (None, [_PTR, _PTR, _I64, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT]),
 }
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from forerun.model.linear_kernels import available_kernels, make_linear
-from forerun.model.native_gemv import BF16WeightGemv
+from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemv import CompactGemv
 from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -114,21 +115,23 @@ GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROBE_WEIGHT_BYTES = 64 << 20
 
 
-def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: BF16WeightGemv, max_rows: int,
+def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
                  rounds: int = 3) -> dict[int, float]:
-    """Speed-up of the bf16-weight GEMV over fp32 `kernel` on one step's matmuls, per row count,
-    up to the first row count where it loses (timed alternately, best round of each)."""
+    """Speed-up of the compact-weight GEMV (weights in `fmt`) over fp32 `kernel` on one step's
+    matmuls, per row count, up to the first row count where it loses (timed alternately, best round)."""
     total = sum(4 * k * n * count for k, n, count in shapes)
     speedup: dict[int, float] = {}
+    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         layers = []
         for k, n, count in shapes:
             copies = min(count, max(1, -(-count * PROBE_WEIGHT_BYTES // total)))
             for _ in range(copies):
-                w = (torch.rand(n, k) - 0.5).mul_(0.1).to(torch.bfloat16).float()  # bf16-exact, as checkpoints
-                small = gemv.linear(w, None)
-                assert small is not None
-                layers.append((k, count / copies, small, make_linear(w, None, kernel, 64)))
+                compact = CompactWeight.random(fmt, n, k, gen)
+                small = gemv.linear(compact, None)
+                if small is None:
+                    return {}  # a shape the kernel does not take: the model keeps its fp32 matmuls
+                layers.append((k, count / copies, small, make_linear(compact.expand(), None, kernel, 64)))
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
             xs = {k: torch.rand(rows, k) for k, _, _ in shapes}
             best = [float("inf"), float("inf")]
@@ -146,17 +149,17 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: BF16Weig
     return speedup
 
 
-def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: BF16WeightGemv, max_rows: int,
+def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
                      cache_file: Path | None) -> tuple[int, dict[int, float]]:
-    """The most rows up to which the bf16-weight GEMV beats fp32 `kernel` at every measured row count
-    (0: never), and the measured speed-ups; cached like `choose_kernels`."""
-    key = json.dumps(["gemv_bf16w/1", cpu_signature(), torch.__version__, torch.get_num_threads(), max_rows,
-                      shapes, kernel])
+    """The most rows up to which the compact-weight GEMV beats fp32 `kernel` at every measured row
+    count (0: never), and the measured speed-ups; cached like `choose_kernels`."""
+    key = json.dumps(["gemv_compact/1", cpu_signature(), torch.__version__, torch.get_num_threads(), max_rows,
+                      shapes, kernel, fmt])
     cache = _read(cache_file)
     if key in cache:
         speedup = {int(r): float(v) for r, v in cache[key].items()}
     else:
-        speedup = measure_gemv(shapes, kernel, gemv, max_rows)
+        speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows)
         if cache_file is not None:
             cache[key] = speedup
             _write(cache_file, cache)

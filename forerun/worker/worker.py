@@ -21,7 +21,7 @@ from forerun.model.pooling import PoolingConfig
 from forerun.model.model_source import cache_dir
 from forerun.model.native_attention import NativeDecodeBackend
 from forerun.model.native_build import load_native_library
-from forerun.model.native_gemv import BF16WeightGemv
+from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
@@ -96,14 +96,14 @@ class Worker:
                                     None if lib is None else NativeDecodeBackend(lib))
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
-            gemv = None if lib is None else BF16WeightGemv(lib)
+            gemv = None if lib is None else CompactGemv(lib)
             gemv_rows = self._choose_gemv_rows(choice, gemv)
             if choice.linear_kernel != "aten" or gemv_rows:
                 on_gemv, total = self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch(), gemv,
                                                               gemv_rows)
                 if gemv_rows and self.rank == 0:
-                    logger.info("matmuls of up to %d rows read bf16 weights in fp32 arithmetic (%d of %d "
-                                "matmuls have bf16-exact weights)", gemv_rows, on_gemv, total)
+                    logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
+                                "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
         self.runner: ModelRunner | None = None
         self._profiler: torch.profiler.profile | None = None
 
@@ -141,21 +141,23 @@ class Worker:
             logger.info("CPU matmuls: %s", choice.describe())
         return choice
 
-    def _choose_gemv_rows(self, choice: KernelChoice, gemv: BF16WeightGemv | None) -> int:
-        """Up to how many rows fp32 matmuls read bf16 weights (forerun.model.native_gemv): as configured,
-        or measured on this CPU against the chosen kernel (rank 0 decides). 0 where it cannot apply."""
+    def _choose_gemv_rows(self, choice: KernelChoice, gemv: CompactGemv | None) -> int:
+        """Up to how many rows fp32 matmuls read compact weights (forerun.model.native_gemv): as
+        configured, or measured on this CPU against the chosen kernel for the model's compact format
+        (rank 0 decides). 0 where it cannot apply."""
         want = self.config.gemv_max_rows
-        if gemv is None or choice.torch_dtype != torch.float32 or want == 0:
+        fmt = self.model.compact_format()
+        if gemv is None or choice.torch_dtype != torch.float32 or want == 0 or fmt is None:
             return 0
         if want is not None:
             return want
         rows = 0
         if self.rank == 0:
             rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.world_size),
-                                             choice.linear_kernel, gemv, self._decode_batch(),
+                                             choice.linear_kernel, gemv, fmt, self._decode_batch(),
                                              cache_dir() / "cpu_probe.json")
-            logger.info("bf16-weight GEMV vs fp32 %s, speed-up by rows: %s", choice.linear_kernel,
-                        ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())))
+            logger.info("%s-weight GEMV vs fp32 %s, speed-up by rows: %s", fmt, choice.linear_kernel,
+                        ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())) or "not measured")
         if self.world_size > 1:
             box = [rows]
             dist.broadcast_object_list(box, src=0)
