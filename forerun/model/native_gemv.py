@@ -8,6 +8,7 @@ form moves 2x (bf16) to 6x (Q4_1) fewer bytes for the same result up to summatio
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -22,6 +23,7 @@ class CompactGemv:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.gemv_compact_f32
+        self.build = Path(getattr(lib, "_name", "") or "").name  # names the sources' digest: keys timings
 
     def linear(self, weight: CompactWeight | None, bias: Tensor | None) -> LinearFn | None:
         """x -> x W^T + b reading `weight`'s compact form, or None for a shape the kernel lacks."""

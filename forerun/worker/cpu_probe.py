@@ -153,8 +153,8 @@ def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: Comp
                      cache_file: Path | None) -> tuple[int, dict[int, float]]:
     """The most rows up to which the compact-weight GEMV beats fp32 `kernel` at every measured row
     count (0: never), and the measured speed-ups; cached like `choose_kernels`."""
-    key = json.dumps(["gemv_compact/1", cpu_signature(), torch.__version__, torch.get_num_threads(), max_rows,
-                      shapes, kernel, fmt])
+    key = json.dumps(["gemv_compact", gemv.build, cpu_signature(), torch.__version__, torch.get_num_threads(),
+                      max_rows, shapes, kernel, fmt])
     cache = _read(cache_file)
     if key in cache:
         speedup = {int(r): float(v) for r, v in cache[key].items()}

@@ -147,22 +147,22 @@ class Worker:
         (rank 0 decides). 0 where it cannot apply."""
         want = self.config.gemv_max_rows
         fmt = self.model.compact_format()
-        if gemv is None or choice.torch_dtype != torch.float32 or want == 0 or fmt is None:
-            return 0
-        if want is not None:
-            return want
+        usable = gemv is not None and choice.torch_dtype == torch.float32 and fmt is not None
+        if want is not None:  # the same on every rank: no collective needed
+            return want if usable else 0
         rows = 0
-        if self.rank == 0:
+        if self.rank == 0 and usable:
+            assert gemv is not None and fmt is not None
             rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.world_size),
                                              choice.linear_kernel, gemv, fmt, self._decode_batch(),
                                              cache_dir() / "cpu_probe.json")
             logger.info("%s-weight GEMV vs fp32 %s, speed-up by rows: %s", fmt, choice.linear_kernel,
                         ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())) or "not measured")
-        if self.world_size > 1:
+        if self.world_size > 1:  # every rank joins, whatever it found locally
             box = [rows]
             dist.broadcast_object_list(box, src=0)
             rows = box[0]
-        return rows
+        return rows if usable else 0
 
     def model_info(self) -> ModelInfo:
         cfg = self.hf_config
