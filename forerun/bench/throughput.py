@@ -177,18 +177,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs[name] = run = run_mode(cfg, workload)
         result[name] = run.result
         flops = matmul_flops(run.steps, run.result["output_tokens"], shapes)
-        run.result["matmul_gflops"] = round(flops / run.result["elapsed_s"] / 1e9, 1)
-        run.result["fraction_of_matmul_peak"] = round(run.result["matmul_gflops"] / run.matmul_peak_gflops, 3)
+        gflops = flops / run.result["elapsed_s"] / 1e9
+        run.result["matmul_gflops"] = _sig(gflops)
+        run.result["fraction_of_matmul_peak"] = _sig(gflops / run.matmul_peak_gflops)
         if run.trace is not None:
             traces[name] = run.trace
     first = next(iter(runs.values()))
-    result["matmul_peak_gflops"] = round(first.matmul_peak_gflops, 1)
+    result["matmul_peak_gflops"] = _sig(first.matmul_peak_gflops)
     if args.forward_only or args.profile:
         seconds, _ = run_forward_only(config, workload, first.steps)
         fwd_tps = first.result["output_tokens"] / seconds
         result["forward_only"] = {
             "elapsed_s": round(seconds, 3), "output_tok_per_s": round(fwd_tps, 2),
-            "matmul_gflops": round(matmul_flops(first.steps, first.result["output_tokens"], shapes) / seconds / 1e9, 1)}
+            "matmul_gflops": _sig(matmul_flops(first.steps, first.result["output_tokens"], shapes) / seconds / 1e9)}
         for name, run in runs.items():
             ratio = run.result["output_tok_per_s"] / fwd_tps
             run.result["over_forward_only"] = round(ratio, 3)
@@ -217,3 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_json:
         args.output_json.write_text(text)
     return result
+
+
+def _sig(x: float) -> float:
+    """Three significant digits: a tiny model's GFLOPS (0.04) must not round to zero."""
+    return float(f"{x:.3g}")
