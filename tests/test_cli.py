@@ -67,7 +67,8 @@ def test_bench_one_prompt_forward_only_and_profile(tmp_path, tiny_llama_dir):
     assert run["output_tokens"] == 6 and run["matmul_gflops"] > 0 and 0 < run["fraction_of_matmul_peak"]
     assert result["matmul_peak_gflops"] > 0 and result["forward_only"]["output_tok_per_s"] > 0
     # The engine share is derived from the two throughputs the same run reports.
-    assert run["over_forward_only"] == round(run["output_tok_per_s"] / result["forward_only"]["output_tok_per_s"], 3)
+    # (from unrounded throughputs: the reported ones are rounded to 0.01 tok/s)
+    assert abs(run["over_forward_only"] - run["output_tok_per_s"] / result["forward_only"]["output_tok_per_s"]) < 2e-3
     assert run["engine_share"] == round(1 - run["over_forward_only"], 3)
     top = json.loads(prof.read_text())
     assert top and all(set(row) == {"op", "self_ms", "calls"} for row in top)
