@@ -68,7 +68,10 @@ class EngineCore:
         kv = NoKVCache() if self.encoder_only else KVCacheManager(num_blocks, config.block_size,
                                                                    config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                    config.enable_chunked_prefill, encoder_only=self.encoder_only)
+                                    config.enable_chunked_prefill, encoder_only=self.encoder_only,
+                                    prefill_decode_policy=config.prefill_decode_policy,
+                                    split_interleave_steps=config.split_interleave_steps,
+                                    scheduling_policy=config.scheduling_policy)
         # Built on the first structured request: importing the grammar library costs about a second.
         self._structured_factory = structured_factory
         self.structured: Any = None
