@@ -49,7 +49,8 @@ class AsyncLLM:
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
         self.core = EngineCoreProcess(config, self.model_folder)
         self.max_model_len = self.core.info.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.core.info.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.core.info.vocab_size,
+                                     config.scheduling_policy)
         self.outputs = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._children: dict[str, list[str]] = {}
@@ -89,14 +90,14 @@ class AsyncLLM:
         self.core.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step that touched the request (with deltas) until it finishes.
 
         Raises ValueError for bad input (also when the core refuses the request) and EngineDeadError.
         """
         self._check_can_add(request_id, "generate")
-        text, ids, core_reqs = self.inputs.process(request_id, prompt, params)
+        text, ids, core_reqs = self.inputs.process(request_id, prompt, params, priority)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         child_ids = [r.request_id for r in core_reqs]
         self._queues[request_id] = queue

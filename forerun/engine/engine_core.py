@@ -13,6 +13,7 @@ from typing import Any, Callable
 from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
 from forerun.core.kv_cache_manager import KVCacheManager, NoKVCache
+from forerun.core.request_queue import check_priority
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.engine.step_trace import StepTrace
@@ -94,6 +95,7 @@ class EngineCore:
         # Checked here as well as in the front end: an id outside the vocabulary would fail a whole step.
         check_token_ids("prompt", core_req.prompt_token_ids, self.vocab_size)
         core_req.sampling_params.validate_token_ids(self.vocab_size)
+        check_priority(core_req.priority, self.config.scheduling_policy)
         req = Request(core_req, self.max_model_len)
         if core_req.pooling:
             if req.num_prompt_tokens > self.max_model_len:
