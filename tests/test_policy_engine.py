@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
 from forerun.core.step_policy import Phase
 from forerun.engine.llm_engine import LLMEngine
+from forerun.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tests.test_engine_parity import PROMPTS, token_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -87,3 +90,16 @@ def test_priority_orders_requests_and_fcfs_refuses_it(tiny_llama_dir):
             llm.generate(ids, GREEDY, use_tqdm=False, priority=[0])
         outs = llm.generate(ids, GREEDY, use_tqdm=False, priority=[0, 0, 0])
         assert [o.outputs[0].token_ids for o in outs] == tokens  # priority changes order, never tokens
+
+
+def test_cli_flags_build_the_config():
+    parser = add_engine_args(argparse.ArgumentParser())
+    cfg = engine_config_from_args(parser.parse_args([]))
+    assert (cfg.prefill_decode_policy, cfg.split_interleave_steps, cfg.scheduling_policy) == ("mixed", 1, "fcfs")
+    cfg = engine_config_from_args(parser.parse_args(["--prefill-decode-policy", "split", "--split-interleave-steps",
+                                                     "3", "--scheduling-policy", "priority"]))
+    assert (cfg.prefill_decode_policy, cfg.split_interleave_steps, cfg.scheduling_policy) == ("split", 3, "priority")
+    with pytest.raises(ValueError, match="split_interleave_steps: must be a positive integer"):
+        engine_config_from_args(parser.parse_args(["--split-interleave-steps", "0"]))
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo").validate()

@@ -147,3 +147,17 @@ def test_policy_validation():
         StepPolicy("split", 0)
     with pytest.raises(ValueError, match="prefill_decode_policy"):
         make(False, "Split")
+
+
+@pytest.mark.parametrize("policy", ["split", "prefill-first"])
+def test_eos_costs_one_dead_token_in_async_under_every_policy(policy):
+    for async_mode, dead in ((False, 0), (True, 1)):
+        sched = make(async_mode, policy)
+        sched.add_request(req("e", 4, max_tokens=10))
+        sched.add_request(req("f", 12, max_tokens=3, base=40))  # a chunked prefill around e's decodes
+        outputs, _ = drive(sched, PhaseRunner(eos_at={"e": 3}), async_mode)
+        got, reasons = tokens_by_request(outputs)
+        assert got == {"e": [100, 101, 102, 2], "f": [100, 101, 102]}
+        assert reasons == {"e": "stop", "f": "length"}
+        assert sched.num_dead_tokens == dead
+        assert sched.kv.num_free_blocks == 64
