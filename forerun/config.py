@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from forerun.core.request_queue import validate_scheduling_policy
-from forerun.core.step_policy import validate_policy
+from forerun.core.request_queue import SchedulingPolicy, validate_scheduling_policy
+from forerun.core.step_policy import PrefillDecodePolicy, validate_policy
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    prefill_decode_policy: str = "mixed"  # mixed (one budget), split (Spyre) or prefill-first (SGLang)
+    prefill_decode_policy: PrefillDecodePolicy = "mixed"  # mixed (one budget), split (Spyre) or prefill-first (SGLang)
     split_interleave_steps: int = 1  # split: most prefill steps in a row while decodes wait
-    scheduling_policy: str = "fcfs"  # fcfs, or priority (per request; lower runs first)
+    scheduling_policy: SchedulingPolicy = "fcfs"  # fcfs, or priority (per request; lower runs first)
     kv_cache_memory: int | str | None = None  # bytes; default 1 GiB when num_kv_blocks is not set
     num_kv_blocks: int | None = None
     async_scheduling: bool | None = None  # None: on for generation, off for pooling
