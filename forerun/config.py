@@ -7,6 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from forerun.core.request_queue import SchedulingPolicy, validate_scheduling_policy
+from forerun.core.step_policy import PrefillDecodePolicy, validate_policy
+
 logger = logging.getLogger(__name__)
 
 ExecutorBackend = Literal["uni", "mp", "ray", "external_launcher"]
@@ -42,6 +45,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    prefill_decode_policy: PrefillDecodePolicy = "mixed"  # mixed (one budget), split (Spyre) or prefill-first (SGLang)
+    split_interleave_steps: int = 1  # split: most prefill steps in a row while decodes wait
+    scheduling_policy: SchedulingPolicy = "fcfs"  # fcfs, or priority (per request; lower runs first)
     kv_cache_memory: int | str | None = None  # bytes; default 1 GiB when num_kv_blocks is not set
     num_kv_blocks: int | None = None
     async_scheduling: bool | None = None  # None: on for generation, off for pooling
@@ -89,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"gemv_max_rows: expected a non-negative integer or None, got {self.gemv_max_rows!r}")
         if self.linear_kernel not in ("auto", "aten", "mkldnn"):
             raise ValueError(f"linear_kernel: expected auto, aten or mkldnn, got {self.linear_kernel!r}")
+        validate_policy(self.prefill_decode_policy, self.split_interleave_steps)
+        validate_scheduling_policy(self.scheduling_policy)
         self.resolve_async_scheduling()
 
     def resolve_async_scheduling(self) -> None:

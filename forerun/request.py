@@ -39,6 +39,7 @@ class EngineCoreRequest:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     pooling: bool = False
+    priority: int = 0  # lower runs first under the priority scheduling policy
 
 
 class Request:
@@ -57,6 +58,7 @@ class Request:
         self.eos_token_ids = core_request.eos_token_ids
         self.arrival_time = core_request.arrival_time
         self.pooling = core_request.pooling
+        self.priority = core_request.priority
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -40,6 +40,11 @@ def test_bench_serve_json(server, tmp_path, capsys):
         assert all(v > 0 for v in stats), (metric, stats)
         assert saved[f"median_{metric}_ms"] <= saved[f"p99_{metric}_ms"]
     assert saved["mean_ttft_ms"] < saved["mean_e2el_ms"]
+    for metric in ("ttft", "tpot"):
+        assert saved[f"p50_{metric}_ms"] == saved[f"median_{metric}_ms"]
+    # The longest gap of a stream is one of its gaps, so the worst stall bounds every gap statistic.
+    assert 0 < saved["median_stall_ms"] <= saved["p99_stall_ms"] <= saved["max_stall_ms"]
+    assert saved["max_stall_ms"] >= saved["p99_itl_ms"]
 
 
 def test_bench_counts_failures(server):

@@ -205,6 +205,17 @@ def test_chat_template_kwargs_refused_with_400(server, client, kwargs, param):
                                           max_tokens=2).choices[0].message.content is not None
 
 
+def test_priority_refused_under_fcfs(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=60,
+                   json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "priority": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
+    ok = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=60,
+                    json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "priority": 0})
+    assert ok.status_code == 200, ok.text
+
+
 def test_invalid_json_wrong_key_and_openai_client_errors(server, client):
     r = httpx.post(f"{server.base_url}/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
                    headers={**server.headers, "Content-Type": "application/json"})

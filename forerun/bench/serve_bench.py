@@ -188,7 +188,8 @@ async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Reques
 def _dist(name: str, values: list[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64) * 1000.0 if values else np.zeros(1)
     return {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
-            f"p90_{name}_ms": float(np.percentile(arr, 90)), f"p99_{name}_ms": float(np.percentile(arr, 99))}
+            f"p50_{name}_ms": float(np.median(arr)), f"p90_{name}_ms": float(np.percentile(arr, 90)),
+            f"p99_{name}_ms": float(np.percentile(arr, 99))}
 
 
 def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float
@@ -212,6 +213,11 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
     result.update(_dist("tpot", tpot))
     result.update(_dist("itl", [g for r in ok for g in r.itl]))
     result.update(_dist("e2el", [r.e2e for r in ok]))
+    # A decode stall: the longest wait between two tokens of one stream (a prefill run ahead of its decode),
+    # which means and percentiles over all gaps hide. One value per stream, then the worst of all.
+    stalls = [max(r.itl) for r in ok if r.itl]
+    result.update(_dist("stall", stalls))
+    result["max_stall_ms"] = max(stalls) * 1000.0 if stalls else 0.0
     return result
 
 
@@ -226,10 +232,12 @@ def format_summary(result: dict[str, Any]) -> str:
              f"{'Output token throughput (tok/s):':<40}{result['output_throughput']:.2f}",
              f"{'Total token throughput (tok/s):':<40}{result['total_token_throughput']:.2f}"]
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency"),
+                        ("stall", "Longest Gap per Stream (decode stall)")):
         lines.append(f"{'-' * 15}{title}{'-' * 15}")
         for stat in ("mean", "median", "p90", "p99"):
             lines.append(f"{f'{stat.capitalize()} {name.upper()} (ms):':<40}{result[f'{stat}_{name}_ms']:.2f}")
+    lines.append(f"{'Max STALL (ms):':<40}{result['max_stall_ms']:.2f}")
     return "\n".join(lines)
 
 

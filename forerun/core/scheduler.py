@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.request_queue import add_running, make_waiting_queue
 from forerun.core.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                            SchedulerOutput)
+from forerun.core.step_policy import Phase, StepPolicy
 from forerun.outputs import EngineCoreOutput
 from forerun.request import Request, RequestStatus
 
@@ -23,14 +25,19 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     encoder_only: bool = False  # prompts run whole in one step (bidirectional attention cannot be chunked)
+    prefill_decode_policy: str = "mixed"  # mixed, split or prefill-first (see forerun/core/step_policy.py)
+    split_interleave_steps: int = 1  # split: most prefill steps in a row while a decode waits
+    scheduling_policy: str = "fcfs"  # fcfs, or priority: lower `Request.priority` first
 
 
 class Scheduler:
     """Decides, each step, how many tokens each request computes.
 
     Invariants: running requests come first, in admission order (FCFS), and preemption takes the most
-    recently admitted one; `num_computed_tokens` advances when a request is scheduled; a finished
-    request's blocks are back in the pool before `update_from_output` returns.
+    recently admitted one; under the priority policy both queues are in (priority, arrival) order instead,
+    so preemption takes the lowest-priority request; `num_computed_tokens` advances when a request is
+    scheduled; a finished request's blocks are back in the pool before `update_from_output` returns.
+    Which requests share a step (prefills, decodes or both) is the `StepPolicy`'s call.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, structured: Any = None) -> None:
@@ -38,7 +45,9 @@ class Scheduler:
         self.kv = kv
         self.structured = structured  # forerun.structured.manager.StructuredOutputManager or None
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = make_waiting_queue(config.scheduling_policy)  # type: ignore[assignment]
+        self.step_policy = StepPolicy(config.prefill_decode_policy, config.split_interleave_steps)
+        self.last_step_phase: Phase | None = None  # the pass that made the latest step (None: empty)
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._sent_blocks: dict[str, int] = {}
@@ -117,34 +126,20 @@ class Scheduler:
         """One step's batch. `grammars_ready` names the waiting requests whose grammar may be used now
         (the engine's word, agreed across ranks where each rank schedules for itself); None: each
         request's own compile decides."""
-        budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(self._num_new_tokens(req), budget)
-            if n <= 0:
-                i += 1
-                continue
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
+        policy = self.step_policy
+        decode_ready = policy.needs_decode_ready and self._decode_ready()
+        self.last_step_phase = None
+        for phase in policy.phases(decode_ready):
+            self._schedule_pass(phase, num_scheduled, new_reqs, preempted, grammars_ready)
+            if num_scheduled:
+                self.last_step_phase = phase
                 break
-            num_scheduled[req.request_id] = n
-            self.kv.cache_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
-            budget -= n
-            i += 1
-
-        if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs, grammars_ready)
+        policy.record(self.last_step_phase)
 
         new_ids = {r.request_id for r in new_reqs}
         for req in self.running:
@@ -162,15 +157,69 @@ class Scheduler:
         out = self._make_output(num_scheduled, new_reqs, cached_reqs, preempted)
         return out
 
+    def _is_decode(self, req: Request) -> bool:
+        """The request's next step computes only its newest token: a decode. Anything more (a prompt, or
+        prompt plus outputs after preemption) is a prefill, even when a chunk boundary or a prefix-cache
+        hit leaves one token of it."""
+        return req.num_outputs_planned > 0 and self._num_new_tokens(req) <= 1
+
+    def _decode_ready(self) -> bool:
+        return any(self._is_decode(r) and self._num_new_tokens(r) > 0 for r in self.running)
+
+    def _schedule_pass(self, phase: Phase, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                       preempted: set[str], grammars_ready: set[str] | None) -> None:
+        """Give tokens to running requests of `phase`, then (unless something was preempted) admit waiting
+        ones, all under one fresh budget: the scheduler only runs a second pass when the first took nothing."""
+        budget = self.config.max_num_batched_tokens
+        max_prefills = self.step_policy.max_prefill_requests if phase is Phase.PREFILL else None
+        num_prefills = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if phase is not Phase.ANY and self._is_decode(req) != (phase is Phase.DECODE):
+                i += 1
+                continue
+            n = min(self._num_new_tokens(req), budget)
+            if n <= 0:
+                i += 1
+                continue
+            if max_prefills is not None and num_prefills >= max_prefills:
+                break
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            num_scheduled[req.request_id] = n
+            self.kv.cache_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
+            budget -= n
+            if max_prefills is not None and not self._is_decode(req):
+                num_prefills += 1
+            i += 1
+
+        if preempted or phase is Phase.DECODE:
+            return
+        if max_prefills is not None:
+            # Split: a request still mid-prefill (scheduled or not) is the one prefill in flight.
+            max_prefills -= sum(1 for r in self.running if not self._is_decode(r) and self._num_new_tokens(r) > 0)
+            if max_prefills <= 0:
+                return
+        self._admit_waiting(budget, num_scheduled, new_reqs, grammars_ready, max_prefills)
+
     def take_error_outputs(self) -> list[EngineCoreOutput]:
         """Requests that ended outside a step's output (a grammar that failed to compile)."""
         out, self._error_outputs = self._error_outputs, []
         return out
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
-                       grammars_ready: set[str] | None) -> int:
+                       grammars_ready: set[str] | None, max_admits: int | None = None) -> int:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        admitted = 0
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and (max_admits is None or admitted < max_admits):
             req = self.waiting[0]
             if not self._ready(req, grammars_ready) or not self._can_admit(req):
                 popped = self.waiting.popleft()
@@ -193,7 +242,8 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
-            self.running.append(req)
+            add_running(self.running, req, self.config.scheduling_policy)
+            admitted += 1
             num_scheduled[req.request_id] = n
             # Index the blocks now, so an identical prompt admitted later in this same step shares them.
             self.kv.cache_blocks(req, min(num_cached + n, req.num_tokens))

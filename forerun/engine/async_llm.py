@@ -50,7 +50,7 @@ class AsyncLLM:
         self.core = EngineCoreProcess(config, self.model_folder)
         self.max_model_len = self.core.info.max_model_len
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.core.info.vocab_size,
-                                     refuse_overlong_max_tokens=True)
+                                     config.scheduling_policy, refuse_overlong_max_tokens=True)
         self.outputs = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._children: dict[str, list[str]] = {}
@@ -90,14 +90,14 @@ class AsyncLLM:
         self.core.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per step that touched the request (with deltas) until it finishes.
 
         Raises ValueError for bad input (also when the core refuses the request) and EngineDeadError.
         """
         self._check_can_add(request_id, "generate")
-        text, ids, core_reqs = self.inputs.process(request_id, prompt, params)
+        text, ids, core_reqs = self.inputs.process(request_id, prompt, params, priority)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         child_ids = [r.request_id for r in core_reqs]
         self._queues[request_id] = queue

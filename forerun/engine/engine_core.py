@@ -13,6 +13,7 @@ from typing import Any, Callable
 from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
 from forerun.core.kv_cache_manager import KVCacheManager, NoKVCache
+from forerun.core.request_queue import check_priority
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.engine.step_trace import StepTrace
@@ -68,7 +69,10 @@ class EngineCore:
         kv = NoKVCache() if self.encoder_only else KVCacheManager(num_blocks, config.block_size,
                                                                    config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                    config.enable_chunked_prefill, encoder_only=self.encoder_only)
+                                    config.enable_chunked_prefill, encoder_only=self.encoder_only,
+                                    prefill_decode_policy=config.prefill_decode_policy,
+                                    split_interleave_steps=config.split_interleave_steps,
+                                    scheduling_policy=config.scheduling_policy)
         # Built on the first structured request: importing the grammar library costs about a second.
         self._structured_factory = structured_factory
         self.structured: Any = None
@@ -91,6 +95,7 @@ class EngineCore:
         # Checked here as well as in the front end: an id outside the vocabulary would fail a whole step.
         check_token_ids("prompt", core_req.prompt_token_ids, self.vocab_size)
         core_req.sampling_params.validate_token_ids(self.vocab_size)
+        check_priority(core_req.priority, self.config.scheduling_policy)
         req = Request(core_req, self.max_model_len)
         if core_req.pooling:
             if req.num_prompt_tokens > self.max_model_len:

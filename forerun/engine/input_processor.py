@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import time
 
+from forerun.core.request_queue import check_priority
 from forerun.engine.tokenizer import Tokenizer
 from forerun.request import EngineCoreRequest
 from forerun.sampling_params import SamplingParams, check_token_ids
@@ -22,10 +23,11 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
-                 refuse_overlong_max_tokens: bool = False) -> None:
+                 scheduling_policy: str = "fcfs", refuse_overlong_max_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.scheduling_policy = scheduling_policy
         self.refuse_overlong_max_tokens = refuse_overlong_max_tokens
         self._ids = itertools.count()
 
@@ -44,11 +46,13 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
 
-    def process(self, request_id: str, prompt: Prompt, params: SamplingParams
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
                 ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
-        """One core request per completion (n > 1 fans out, each child with its own seed)."""
+        """One core request per completion (n > 1 fans out, each child with its own seed and the same
+        priority)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        check_priority(priority, self.scheduling_policy)
         params.validate()
         params.validate_token_ids(self.vocab_size)
         text, ids = self.tokenize(prompt)
@@ -62,12 +66,12 @@ class InputProcessor:
         now = time.monotonic()
         eos = self.tokenizer.eos_token_ids
         if params.n == 1:
-            return text, ids, [EngineCoreRequest(request_id, ids, params, eos, now)]
+            return text, ids, [EngineCoreRequest(request_id, ids, params, eos, now, priority=priority)]
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             child = dataclasses.replace(params, n=1, seed=seed)
-            children.append(EngineCoreRequest(child_id(request_id, i), ids, child, eos, now))
+            children.append(EngineCoreRequest(child_id(request_id, i), ids, child, eos, now, priority=priority))
         return text, ids, children
 
 

@@ -29,13 +29,18 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[
-            SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+            SamplingParams] | None = None, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """`priority`: one value per prompt (lower runs first), for an engine with scheduling_policy='priority'."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
+        if priority is not None and (isinstance(priority, (int, str)) or len(priority) != len(items)):
+            raise ValueError(f"priority: expected a list of {len(items)} integers, one per prompt")
+        priorities = list(priority) if priority is not None else [0] * len(items)
         ids = []
         try:
-            for prompt, sp in zip(items, params):
-                ids.append(self.engine.add_request(prompt, sp))
+            for prompt, sp, prio in zip(items, params, priorities):
+                ids.append(self.engine.add_request(prompt, sp, priority=prio))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

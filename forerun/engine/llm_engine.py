@@ -41,18 +41,21 @@ class LLMEngine:
         # The factory runs on the first structured request, when the core knows the model's vocabulary.
         self.core = EngineCore(config, self.model_folder,
                                lambda: make_structured_manager(self.model_folder, self.core.vocab_size))
-        self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, self.core.max_model_len, self.core.vocab_size,
+                                     config.scheduling_policy)
         self.outputs = OutputProcessor(self.tokenizer)
 
     @property
     def trace(self):
         return self.core.trace
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        """Queue one prompt; `priority` (lower runs first) needs scheduling_policy='priority' unless 0."""
         request_id = request_id or self.inputs.next_request_id()
         if self.outputs.has(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        text, ids, core_reqs = self.inputs.process(request_id, prompt, params)
+        text, ids, core_reqs = self.inputs.process(request_id, prompt, params, priority)
         if params.structured_outputs is not None:
             self.core.structured_manager().validate_sync(params.structured_outputs)
         added = []

@@ -9,7 +9,8 @@ from forerun.config import EngineConfig
 
 # Flags whose value maps one to one onto an EngineConfig field of the same name.
 _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-           "enable_prefix_caching", "enable_chunked_prefill", "kv_cache_memory", "num_kv_blocks",
+           "enable_prefix_caching", "enable_chunked_prefill", "prefill_decode_policy",
+           "split_interleave_steps", "scheduling_policy", "kv_cache_memory", "num_kv_blocks",
            "async_scheduling", "seed", "tensor_parallel_size", "distributed_executor_backend", "runner",
            "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows")
 
@@ -28,6 +29,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="reuse KV blocks of shared prompt prefixes (default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts across steps (default: on)")
+    g.add_argument("--prefill-decode-policy", default=None, choices=["mixed", "split", "prefill-first"],
+                   help="what one step may hold: mixed (prefills and decodes under one budget, default), "
+                        "split (one request's prefill chunk or every running decode) or prefill-first "
+                        "(prefill batches first, decodes when no prefill waits)")
+    g.add_argument("--split-interleave-steps", type=int, default=None,
+                   help="split: at most N prefill steps in a row while decodes wait (default: 1)")
+    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="fcfs (default) or priority: a request's `priority` orders the queue (lower first) "
+                        "and preemption takes the lowest-priority running request")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: 1GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
     g.add_argument("--seed", type=int, default=None, help="engine seed")

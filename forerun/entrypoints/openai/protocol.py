@@ -62,6 +62,7 @@ class SamplingRequest(OpenAIModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # vLLM's extension: lower runs first, when served with --scheduling-policy priority
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

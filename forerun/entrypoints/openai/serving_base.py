@@ -49,12 +49,12 @@ class ServingBase:
             raise APIError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """The engine's stream, timed for the metrics; a completion that ended in error raises."""
         t0 = time.monotonic()
         first: float | None = None
-        async for out in self.engine.generate(prompt, params, request_id):
+        async for out in self.engine.generate(prompt, params, request_id, priority):
             if first is None and any(c.delta_token_ids for c in out.outputs):
                 first = time.monotonic()
             for c in out.outputs:

@@ -47,7 +47,7 @@ class OpenAIServingChat(ServingBase):
         params = req.sampling_params(req.max_output_tokens, req.num_logprobs)
         prompt = self.prompt_ids(req)
         rid = random_id("chatcmpl")
-        stream = self.generate(prompt, params, rid)
+        stream = self.generate(prompt, params, rid, req.priority)
         try:
             if req.stream:
                 # Wait for the first output so bad input still gets a plain 400, not a broken stream.

@@ -24,7 +24,7 @@ class OpenAIServingCompletion(ServingBase):
         prompts = req.prompts()
         params = req.sampling_params(req.max_tokens, req.logprobs)
         rid = random_id("cmpl")
-        gens = [self.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+        gens = [self.generate(p, params, f"{rid}-{i}", req.priority) for i, p in enumerate(prompts)]
         stream = merge(gens) if len(gens) > 1 else indexed(gens[0])
         try:
             if req.stream:
