@@ -58,7 +58,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads of the worker; None: all cores
     linear_kernel: str = "auto"  # CPU matmuls: auto (measured), aten (F.linear) or mkldnn (prepacked)
     native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
-    gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read bf16 weights; None: measured
+    gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read compact weights; None: measured
     trace: bool = False  # record the step timeline
     extra: dict[str, object] = field(default_factory=dict)
 
