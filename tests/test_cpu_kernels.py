@@ -49,6 +49,7 @@ def test_packed_model_gives_the_same_tokens(tiny_llama_dir):
 
 
 def test_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)  # the real load must not force a re-measure
     cache = tmp_path / "probe.json"
     first = choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     assert set(first.gflops) >= {"float32/aten", "float32/mkldnn", "bfloat16/aten"}
@@ -66,6 +67,21 @@ def test_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert (fixed.dtype, fixed.linear_kernel, fixed.gflops) == ("float32", "aten", {})
     with pytest.raises(ValueError, match="linear_kernel"):
         choose_kernels(SHAPES, 8, [torch.float32], ["nonexistent"], cache)
+
+
+def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_calm(tmp_path, monkeypatch):
+    cache, calls = tmp_path / "probe.json", []
+    real = cpu_probe.measure
+    monkeypatch.setattr(cpu_probe, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: True)
+    choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
+    choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
+    assert len(calls) == 1, "still busy: the busy measurement is kept rather than repeated"
+    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)
+    choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
+    choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
+    assert len(calls) == 2, "calm now: measured once more, and that answer is final"
+    assert list(json.loads(cache.read_text()).values())[0][cpu_probe.BUSY] is False
 
 
 def test_damaged_cache_is_measured_again(tmp_path):

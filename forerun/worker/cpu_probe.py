@@ -95,16 +95,19 @@ def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[
     key = json.dumps([cpu_signature(), torch.__version__, torch.get_num_threads(), batch, shapes,
                       [(DTYPE_NAMES[d], k) for d, k in candidates]])
     cache = _read(cache_file)
-    if key in cache:
-        return KernelChoice(**cache[key])
+    cached = _fresh(cache.get(key))
+    if cached is not None:
+        return KernelChoice(**cached)
     t0 = time.perf_counter()
+    busy = machine_busy()
     gflops = measure(shapes, batch, candidates)
+    busy = busy or machine_busy()
     best = max(gflops, key=lambda name: gflops[name])
     dtype_name, kernel = best.split("/")
     choice = KernelChoice(dtype_name, kernel, gflops)
     logger.info("measured matmul speed in %.1f s", time.perf_counter() - t0)
     if cache_file is not None:
-        cache[key] = asdict(choice)
+        cache[key] = {**asdict(choice), BUSY: busy}
         _write(cache_file, cache)
     return choice
 
@@ -156,12 +159,15 @@ def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: Comp
     key = json.dumps(["gemv_compact", gemv.build, cpu_signature(), torch.__version__, torch.get_num_threads(),
                       max_rows, shapes, kernel, fmt])
     cache = _read(cache_file)
-    if key in cache:
-        speedup = {int(r): float(v) for r, v in cache[key].items()}
+    cached = _fresh(cache.get(key))
+    if cached is not None and isinstance(cached.get("speedup"), dict):
+        speedup = {int(r): float(v) for r, v in cached["speedup"].items()}
     else:
+        busy = machine_busy()
         speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows)
+        busy = busy or machine_busy()
         if cache_file is not None:
-            cache[key] = speedup
+            cache[key] = {"speedup": speedup, BUSY: busy}
             _write(cache_file, cache)
     return gemv_rows_from(speedup), speedup
 
@@ -174,6 +180,30 @@ def gemv_rows_from(speedup: dict[int, float]) -> int:
             break
         rows = r
     return rows
+
+
+BUSY = "measured_while_busy"
+
+
+def machine_busy() -> bool:
+    """Whether other work holds the cores now (load average above the core count). Timings taken
+    then are unreliable: a parallel region waits for whichever thread lost its core."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
+
+
+def _fresh(entry: dict | None) -> dict | None:
+    """A cached entry without its bookkeeping, or None when it must be measured again: absent, or
+    measured while the machine was busy and it is calm now (so a busy first start is not final)."""
+    if not isinstance(entry, dict):
+        return None
+    entry = dict(entry)
+    if entry.pop(BUSY, False) and not machine_busy():
+        logger.info("re-measuring a matmul choice that was timed while the machine was busy")
+        return None
+    return entry
 
 
 def _read(path: Path | None) -> dict:
