@@ -62,6 +62,9 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
+        if config.pipeline_parallel_size > 1:  # a clear error now rather than from every worker later
+            from forerun.model.registry import check_pipeline_stages
+            check_pipeline_stages(model_folder, config.pipeline_parallel_size)
         self.world_size = config.world_size
         self.output_rank = self.world_size - config.tensor_parallel_size  # the last stage samples
         self._lock = threading.Lock()

@@ -60,6 +60,13 @@ def model_matmul_shapes(config: dict, tp_size: int = 1) -> list[tuple[int, int, 
     return matmul_shapes(LlamaArgs.from_config(config, arch), tp_size)
 
 
+def check_pipeline_stages(folder: Path, pp_size: int) -> None:
+    """Raise ValueError naming `pipeline_parallel_size` when the model has fewer layers than stages;
+    read from config.json alone, so it can be checked before any worker starts."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    PPStage.split(0, pp_size, int(config["num_hidden_layers"]))
+
+
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup(),
                backend: AttentionBackend | None = None, pp_rank: int = 0, pp_size: int = 1) -> CausalLM:
     """Build the model for `folder`'s config.json on `device` in `dtype` and load its safetensors
