@@ -99,12 +99,12 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _validate_pipeline(self) -> None:
-        """Pipeline stages run on `mp` worker processes only, and for generation only (the stage count
-        against the model's layer count is checked where the model's config is read, in the worker)."""
+        """Pipeline stages run on `mp` or `ray` workers, and for generation only (the stage count against
+        the model's layer count is checked by the executor, which reads the model's config)."""
         if self.pipeline_parallel_size == 1:
             return
-        if self.distributed_executor_backend != "mp":
-            raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} needs the mp executor, "
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} needs the mp or ray executor, "
                              f"not {self.distributed_executor_backend!r}")
         if self.runner != "generate":
             raise ValueError("pipeline_parallel_size: pipeline stages serve generation models only")

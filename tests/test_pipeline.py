@@ -1,6 +1,6 @@
-"""Pipeline parallelism: which steps a request may join, greedy parity with `uni` sync at PP 2 and
-PP 2 x TP 2 (sync and async, chunked prefill, forced preemption), per-stage trace spans that overlap,
-a killed stage that ends every request with an error, and clear errors for bad settings."""
+"""Pipeline parallelism: which steps a request may join, greedy parity with `uni` sync at PP 2, PP 3 and
+PP 2 x TP 2 (sync and async, chunked prefill, forced preemption, structured output), per-stage trace
+spans that overlap, a killed stage that ends every request with an error, clear errors for bad settings."""
 
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ def test_stages_split_layers_contiguously():
 
 # ---- settings --------------------------------------------------------------------------------------
 def test_bad_settings_name_the_field(pp_model_dir):
-    for backend in ("uni", "ray", "external_launcher"):
-        with pytest.raises(ValueError, match="pipeline_parallel_size: 2 needs the mp executor"):
+    for backend in ("uni", "external_launcher"):
+        with pytest.raises(ValueError, match="pipeline_parallel_size: 2 needs the mp or ray executor"):
             EngineConfig(pipeline_parallel_size=2, distributed_executor_backend=backend).validate()
     with pytest.raises(ValueError, match="pipeline_parallel_size: must be a positive integer"):
         EngineConfig(pipeline_parallel_size=0).validate()
@@ -145,20 +145,20 @@ def _stage_overlaps(events) -> int:
                if ("forerun-rank0", b) in fwd and fwd[("forerun-rank0", b)].begin < fwd[("forerun-rank1", a)].end)
 
 
-@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_pp2_matches_uni_with_chunking_and_preemption(pp_model_dir, reference, async_):
-    llm = LLM(model=str(pp_model_dir), pipeline_parallel_size=2, async_scheduling=async_, trace=True,
+@pytest.mark.parametrize("pp,async_", [(2, False), (2, True)], ids=["pp2-sync", "pp2-async"])
+def test_pp_matches_uni_with_chunking_and_preemption(pp_model_dir, reference, pp, async_):
+    llm = LLM(model=str(pp_model_dir), pipeline_parallel_size=pp, async_scheduling=async_, trace=True,
               show_progress=False, **STRESS)
     core = llm.engine.core
-    assert len(live_children()) == 2 and core.queue_depth == (3 if async_ else 2)
+    assert len(live_children()) == pp and core.queue_depth == pp + async_
     assert generate(llm) == reference
     assert core.scheduler.num_preemptions > 0
     assert core.scheduler.kv.num_free_blocks == core.num_blocks
     events = core.trace.events
-    threads = {e.thread for e in events if e.name == "forward"}
-    assert threads == {"forerun-rank0", "forerun-rank1"}  # one span per stage and step
-    assert {e.step for e in events if e.thread == "forerun-rank0"} == \
-        {e.step for e in events if e.thread == "forerun-rank1"}
+    stages = {f"forerun-rank{i}" for i in range(pp)}
+    assert {e.thread for e in events if e.name == "forward"} == stages  # one span per stage and step
+    forward_steps = [{e.step for e in events if e.name == "forward" and e.thread == t} for t in sorted(stages)]
+    assert all(s == forward_steps[0] for s in forward_steps)
     assert _stage_overlaps(events) >= 1
     llm.shutdown()
     assert_clean()
@@ -199,24 +199,27 @@ def test_killed_stage_ends_every_request_with_an_error(pp_model_dir):
     assert_clean()
 
 
-def test_pp2_async_structured_output_matches_uni(pp_model_dir):
-    """A grammar row whose previous token is still in flight defers its sampling; with three steps in
-    flight the engine samples it before launching another step, and the tokens match uni sync."""
+def test_pp3_async_structured_output_matches_uni(pp_model_dir):
+    """PP 3: one layer per stage, so the middle stage both receives and sends activations (and passes the
+    first stage's trace spans on). A grammar row whose previous token is still in flight defers its
+    sampling; with four steps in flight the engine samples it before launching another step. The tokens
+    match uni sync, and every stage reports its spans."""
     from forerun.structured.spec import StructuredOutputsParams
     digits = SamplingParams(temperature=0.0, max_tokens=8,
                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2,12}"))
     params = [digits, greedy(), digits, greedy()]
     outs = {}
     for name, kw in {"uni": dict(distributed_executor_backend="uni", async_scheduling=False),
-                     "pp2": dict(pipeline_parallel_size=2, async_scheduling=True, trace=True)}.items():
+                     "pp3": dict(pipeline_parallel_size=3, async_scheduling=True, trace=True)}.items():
         with LLM(model=str(pp_model_dir), show_progress=False, max_num_batched_tokens=8, **kw) as llm:
             outs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-            if name == "pp2":
-                deferred = [e for e in llm.engine.core.trace.events
-                            if e.name == "schedule" and e.args.get("deferred_sampling")]
-                assert deferred  # the path under test was taken
+            if name == "pp3":
+                events = llm.engine.core.trace.events
+                assert any(e.name == "schedule" and e.args.get("deferred_sampling") for e in events)
+                assert {e.thread for e in events if e.name == "forward"} == {f"forerun-rank{i}" for i in range(3)}
+                assert {e.thread for e in events if e.name == "recv"} == {"forerun-rank1", "forerun-rank2"}
             else:
                 texts = [llm.tokenizer.decode(t) for t in outs[name][::2]]
                 assert all(re.fullmatch(r"[0-9]{2,12}", t) for t in texts), texts
-    assert outs["pp2"] == outs["uni"]
+    assert outs["pp3"] == outs["uni"]
     assert_clean()
