@@ -88,8 +88,9 @@ class PipelineModelRunner(ModelRunner):
     def _take_tokens(self, states: list[RowState]) -> None:
         """Write ids sampled by the last stage into the token buffer: wait for every batch up to the newest
         one that a row of this step reads. gloo cannot tell whether a receive has finished without waiting
-        for it, so batches no row needs yet stay queued, up to a bound past which the oldest (long since
-        sampled: the engine keeps fewer steps in flight) is read anyway."""
+        for it, so batches no row needs yet stay queued, up to a bound past which the oldest is read anyway
+        (the engine keeps fewer steps in flight, so it has been sampled; the last stage needs nothing more
+        from this one to send it)."""
         def needed() -> bool:
             return any(s.last_pending for s in states)
 

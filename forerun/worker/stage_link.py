@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 # Sends kept in flight before the oldest is waited for. gloo's Work.is_completed() stays False until
-# wait() is called, so completion cannot be polled; the engine keeps at most pp_size + 1 steps in flight,
-# so a send this many messages old was received long ago and waiting for it costs nothing.
+# wait() is called, so completion cannot be polled. The engine keeps at most pp_size + 1 steps in flight,
+# so a send this many messages old has normally been received; if not, waiting only holds this rank back
+# until its peer catches up (the peer needs nothing more from this rank to receive it), never deadlocks.
 MAX_SENDS_IN_FLIGHT = 16
 # One tag per kind of message, so a stream of one kind never matches a receive posted for another.
 _TAG_ACTIVATIONS, _TAG_TIMING, _TAG_TOKENS = 1, 2, 3
