@@ -53,6 +53,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on for generation, off for pooling
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # contiguous layer stages; world size = pipeline x tensor parallel
     distributed_executor_backend: ExecutorBackend | None = None
     runner: Runner = "generate"
     num_threads: int | None = None  # torch intra-op threads of the worker; None: all cores
@@ -67,6 +68,7 @@ class EngineConfig:
         _positive(self.max_num_batched_tokens, "max_num_batched_tokens")
         _positive(self.block_size, "block_size")
         _positive(self.tensor_parallel_size, "tensor_parallel_size")
+        _positive(self.pipeline_parallel_size, "pipeline_parallel_size")
         if self.max_model_len is not None:
             _positive(self.max_model_len, "max_model_len")
         if self.num_kv_blocks is not None:
@@ -76,13 +78,14 @@ class EngineConfig:
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"runner: expected 'generate' or 'pooling', got {self.runner!r}")
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.distributed_executor_backend not in ("uni", "mp", "ray", "external_launcher"):
             raise ValueError("distributed_executor_backend: expected uni, mp, ray or external_launcher, "
                              f"got {self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend: 'uni' runs one rank; use mp, ray or "
                              f"external_launcher for tensor_parallel_size={self.tensor_parallel_size}")
+        self._validate_pipeline()
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
@@ -98,6 +101,21 @@ class EngineConfig:
         validate_policy(self.prefill_decode_policy, self.split_interleave_steps)
         validate_scheduling_policy(self.scheduling_policy)
         self.resolve_async_scheduling()
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _validate_pipeline(self) -> None:
+        """Pipeline stages run on `mp` or `ray` workers, and for generation only (the stage count against
+        the model's layer count is checked by the executor, which reads the model's config)."""
+        if self.pipeline_parallel_size == 1:
+            return
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} needs the mp or ray executor, "
+                             f"not {self.distributed_executor_backend!r}")
+        if self.runner != "generate":
+            raise ValueError("pipeline_parallel_size: pipeline stages serve generation models only")
 
     def resolve_async_scheduling(self) -> None:
         """Async scheduling is on by default for generation and off for pooling, where no decode overlaps."""

@@ -217,9 +217,10 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("async_", [False, True])
-def test_ray_tp2_matches_uni(varied_llama_dir, reference, local_ray, async_):
-    llm = make_llm(varied_llama_dir, "ray", 2, async_)
+@pytest.mark.parametrize("async_,pp", [(False, 1), (True, 1), (True, 2)], ids=["sync", "async", "async-pp2"])
+def test_ray_tp2_matches_uni(varied_llama_dir, reference, local_ray, async_, pp):
+    """TP 2, and TP 1 x PP 2 (two pipeline stages: the same two actors, wired as stages)."""
+    llm = make_llm(varied_llama_dir, "ray", 2 // pp, async_, pipeline_parallel_size=pp)
     pids = llm.engine.core.executor.pids
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
     llm.shutdown()

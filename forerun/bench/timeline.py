@@ -7,7 +7,8 @@ from pathlib import Path
 
 from forerun.engine.step_trace import StepTrace
 
-_COLORS = {"schedule": "tab:blue", "prepare": "tab:cyan", "forward": "tab:green", "sample": "tab:olive",
+_COLORS = {"schedule": "tab:blue", "prepare": "tab:cyan", "recv": "tab:purple", "forward": "tab:green",
+           "sample": "tab:olive",
            "update": "tab:orange", "output": "tab:red", "wait": "lightgray"}
 
 

@@ -62,6 +62,7 @@ class StepTiming:
 
     thread: str
     spans: list[tuple[str, float, float]] = field(default_factory=list)  # (name, begin, end), time.perf_counter
+    stages: list[StepTiming] = field(default_factory=list)  # earlier pipeline stages' timings, first stage first
 
 
 @dataclass

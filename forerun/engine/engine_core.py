@@ -13,6 +13,7 @@ from typing import Any, Callable
 from forerun.config import EngineConfig
 from forerun.core.async_scheduler import AsyncScheduler
 from forerun.core.kv_cache_manager import KVCacheManager, NoKVCache
+from forerun.core.pipeline_scheduler import PipelineScheduler
 from forerun.core.request_queue import check_priority
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -43,7 +44,8 @@ class _InFlight:
 class EngineCore:
     """Owns the scheduler and the executor.
 
-    Invariants: in async mode at most two steps are in flight and they are applied in launch order;
+    Invariants: at most `queue_depth` steps are in flight (1 in sync mode, 2 in async mode; with
+    pipeline stages `pipeline_parallel_size`, plus one in async mode) and they are applied in launch order;
     the first call of `step_with_batch_queue` returns None (it fills the queue); an abort takes effect
     at once, so an aborted request is never scheduled again and outputs of steps already in flight
     for it are dropped (dead tokens), never returned.
@@ -76,10 +78,16 @@ class EngineCore:
         # Built on the first structured request: importing the grammar library costs about a second.
         self._structured_factory = structured_factory
         self.structured: Any = None
-        self.scheduler: Scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(sched_cfg, kv)
         self.async_mode = bool(config.async_scheduling)
+        pp = config.pipeline_parallel_size
+        self.scheduler: Scheduler
+        if pp > 1:
+            self.scheduler = PipelineScheduler(sched_cfg, kv, pp_size=pp, run_ahead=self.async_mode)
+        else:
+            self.scheduler = (AsyncScheduler if self.async_mode else Scheduler)(sched_cfg, kv)
         self.batch_queue: deque[_InFlight] = deque()
-        self.queue_depth = 2 if self.async_mode else 1
+        # One step per stage keeps every stage busy; async mode adds the step being scheduled.
+        self.queue_depth = pp + (1 if self.async_mode else 0)
         self.trace: StepTrace | None = StepTrace() if config.trace else None
         self._unsent_finished: set[str] = set()
         self._unsent_preempted: set[str] = set()
@@ -135,7 +143,7 @@ class EngineCore:
         self.executor.check_health()
 
     def run_step(self) -> list[EngineCoreOutput]:
-        out = self.step_with_batch_queue() if self.async_mode else self.step()
+        out = self.step_with_batch_queue() if self.queue_depth > 1 else self.step()
         return self.scheduler.take_error_outputs() + (out or [])
 
     # ---- sync ----------------------------------------------------------------------------------
@@ -156,7 +164,10 @@ class EngineCore:
     # ---- async ---------------------------------------------------------------------------------
     def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
         launched = False
-        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.queue_depth:
+        # A step whose sampling is deferred must be sampled before another is executed (the worker
+        # alternates the two calls); with more than two steps in flight it may not be the oldest.
+        deferred = bool(self.batch_queue) and self.batch_queue[-1].sample is None
+        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.queue_depth and not deferred:
             sched = self._schedule()
             if not sched.is_empty:
                 self.batch_queue.append(self._launch(sched))
@@ -243,8 +254,9 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         if self.trace is not None:
             if result.timing is not None:
-                for name, b, e in result.timing.spans:
-                    self.trace.span(name, sched.step_id, b, e, thread=result.timing.thread)
+                for timing in (*result.timing.stages, result.timing):  # pipeline stages, first to last
+                    for name, b, e in timing.spans:
+                        self.trace.span(name, sched.step_id, b, e, thread=timing.thread)
             self.trace.span("update", sched.step_id, t0,
                             dead_tokens=list(self.scheduler.last_dead_token_req_ids),
                             finished=[o.request_id for o in outputs if o.finished])

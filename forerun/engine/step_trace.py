@@ -10,7 +10,7 @@ from typing import Any
 
 @dataclass
 class TraceEvent:
-    name: str  # schedule | prepare | forward | sample | update | wait
+    name: str  # schedule | prepare | recv (pipeline stages) | forward | sample | update | wait
     step: int
     thread: str
     begin: float  # time.perf_counter seconds
@@ -38,9 +38,12 @@ class StepTrace:
         return sum(len(e.args.get("dead_tokens", ())) for e in self.events)
 
     def busy_fraction(self) -> float:
-        """Share of wall time (first to last event) that the worker spent in forward or sample."""
+        """Share of wall time (first to last event) that a worker spent in forward or sample, averaged over
+        the worker threads that report spans (one per pipeline stage; one in all other setups)."""
         if not self.events:
             return 0.0
-        busy = sum(e.end - e.begin for e in self.events if e.name in ("forward", "sample"))
+        spans = [e for e in self.events if e.name in ("forward", "sample")]
+        workers = len({e.thread for e in spans}) or 1
+        busy = sum(e.end - e.begin for e in spans)
         wall = max(e.end for e in self.events) - min(e.begin for e in self.events)
-        return busy / wall if wall > 0 else 0.0
+        return busy / wall / workers if wall > 0 else 0.0

@@ -11,7 +11,8 @@ from forerun.config import EngineConfig
 _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
            "enable_prefix_caching", "enable_chunked_prefill", "prefill_decode_policy",
            "split_interleave_steps", "scheduling_policy", "kv_cache_memory", "num_kv_blocks",
-           "async_scheduling", "seed", "tensor_parallel_size", "distributed_executor_backend", "runner",
+           "async_scheduling", "seed", "tensor_parallel_size", "pipeline_parallel_size",
+           "distributed_executor_backend", "runner",
            "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows")
 
 
@@ -44,6 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule one step ahead of the model (default: on for generation)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="tensor-parallel ranks")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                   help="pipeline stages of contiguous layers (mp executor; ranks = stages x tensor-parallel)")
     g.add_argument("--distributed-executor-backend", default=None,
                    choices=["uni", "mp", "ray", "external_launcher"], help="how ranks are launched")
     g.add_argument("--runner", default=None, choices=["generate", "pooling"], help="model runner kind")

@@ -13,8 +13,11 @@ class Executor(ABC):
     """Runs worker methods on every rank.
 
     Invariant: calls are executed by every worker in the order they were made, and with
-    `non_block=True` the returned Futures resolve in that same order.
+    `non_block=True` the returned Futures resolve in that same order. A step's output comes from rank
+    `output_rank`: 0, or with pipeline stages the last stage's first rank.
     """
+
+    output_rank: int = 0
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
@@ -29,8 +32,8 @@ class Executor(ABC):
                       non_block: bool = False) -> ModelRunnerOutput | Future:
         out = self.collective_rpc("sample_tokens", (grammar_output,), non_block=non_block)
         if non_block:
-            return _first(out)
-        return out[0]
+            return _pick(out, self.output_rank)
+        return out[self.output_rank]
 
     def all_ranks_true(self, flags: list[bool]) -> list[bool]:
         """Each flag ANDed over every rank's engine, for decisions an engine makes from its own process
@@ -44,8 +47,8 @@ class Executor(ABC):
     def shutdown(self) -> None: ...
 
 
-def _first(fut: Future) -> Future:
-    """A Future of rank 0's result out of a Future of every rank's results."""
+def _pick(fut: Future, rank: int) -> Future:
+    """A Future of `rank`'s result out of a Future of every rank's results."""
     out: Future = Future()
 
     def done(f: Future) -> None:
@@ -53,7 +56,7 @@ def _first(fut: Future) -> Future:
         if exc is not None:
             out.set_exception(exc)
         else:
-            out.set_result(f.result()[0])
+            out.set_result(f.result()[rank])
 
     fut.add_done_callback(done)
     return out

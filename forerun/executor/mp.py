@@ -1,4 +1,5 @@
-"""One worker process per tensor-parallel rank, fed through a shared-memory broadcast queue."""
+"""One worker process per rank (pipeline stages x tensor-parallel ranks), fed through a shared-memory
+broadcast queue."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from forerun.executor.spawn import main_script_not_rerun
 
 logger = logging.getLogger(__name__)
 
-# Step calls: only rank 0's result is wanted, so the other ranks answer only when they fail.
+# Step calls: only the output rank's result is wanted, so the other ranks answer only when they fail.
 RANK0_ONLY = frozenset({"execute_model", "sample_tokens"})
 _STOP = "__stop__"
 _READY = -1  # call id of the "worker constructed" message
@@ -52,7 +53,7 @@ class _Pending:
 
 
 class MultiprocExecutor(Executor):
-    """Spawns `tensor_parallel_size` worker processes and drives them in lockstep.
+    """Spawns `pipeline_parallel_size x tensor_parallel_size` worker processes and drives them in lockstep.
 
     Invariants: every rank receives every call, in the order `collective_rpc` was called; Futures
     resolve in that order (one response thread); a worker exception or a worker death fails the pending
@@ -61,7 +62,11 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
-        self.world_size = config.tensor_parallel_size
+        if config.pipeline_parallel_size > 1:  # a clear error now rather than from every worker later
+            from forerun.model.registry import check_pipeline_stages
+            check_pipeline_stages(model_folder, config.pipeline_parallel_size)
+        self.world_size = config.world_size
+        self.output_rank = self.world_size - config.tensor_parallel_size  # the last stage samples
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending: deque[_Pending] = deque()
@@ -109,7 +114,8 @@ class MultiprocExecutor(Executor):
                 raise WorkerError("executor is shut down")
             call_id = self._next_id
             self._next_id += 1
-            self._pending.append(_Pending(call_id, method, fut, {0} if rank0_only else set(range(self.world_size))))
+            self._pending.append(_Pending(call_id, method, fut,
+                                          {self.output_rank} if rank0_only else set(range(self.world_size))))
             self._cond.notify_all()
         # Broadcast outside the lock: a full ring waits here for slow workers while the response
         # thread keeps resolving (and freeing) earlier calls.
@@ -285,7 +291,7 @@ def _worker_main(config: EngineConfig, model_folder: Path, rank: int, world_size
             except Exception as exc:
                 out.put((call_id, False, _describe(exc)))
                 continue
-            if not rank0_only or rank == 0:
+            if not rank0_only or rank == world_size - config.tensor_parallel_size:  # the output rank
                 out.put((call_id, True, result))
     finally:
         out.put(None)

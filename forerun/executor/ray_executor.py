@@ -99,7 +99,11 @@ class RayExecutor(Executor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init()
-        self.world_size = ws = config.tensor_parallel_size
+        if config.pipeline_parallel_size > 1:  # a clear error now rather than from every actor later
+            from forerun.model.registry import check_pipeline_stages
+            check_pipeline_stages(model_folder, config.pipeline_parallel_size)
+        self.world_size = ws = config.world_size
+        self.output_rank = ws - config.tensor_parallel_size  # the last pipeline stage samples
         use_gpu = ray.cluster_resources().get("GPU", 0) >= ws
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([dict(bundle) for _ in range(ws)], strategy="PACK")
@@ -180,7 +184,7 @@ class RayExecutor(Executor):
                 if self._pending and self._pending[0] is call:
                     self._pending.popleft()
             if call.method in RANK0_ONLY:
-                results = [results[0]] + [None] * (self.world_size - 1)
+                results = [r if i == self.output_rank else None for i, r in enumerate(results)]
             call.future.set_result(results)
 
     def _fail(self, error: WorkerError) -> None:

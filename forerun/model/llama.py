@@ -15,7 +15,7 @@ from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, Pa
 from forerun.model.compact_weights import CompactWeight
 from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
-from forerun.model.parallel import TPGroup
+from forerun.model.parallel import PPStage, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -177,14 +177,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm (named as in HF checkpoints under `model.`)."""
+    """Embedding, decoder layers, final norm (named as in HF checkpoints under `model.`).
 
-    def __init__(self, args: LlamaArgs, tp: TPGroup, backend: AttentionBackend) -> None:
+    With pipeline stages only this stage's layers are built; the other indices hold an empty
+    placeholder so checkpoint names still map to `layers.<i>`. The embedding lives on the first stage
+    (and on the last when the LM head is tied to it), the final norm on the last.
+    """
+
+    def __init__(self, args: LlamaArgs, tp: TPGroup, backend: AttentionBackend, pp: PPStage = PPStage()) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        mine = pp.layers(args.num_layers)
+        self.layer_range = mine
+        want_embed = pp.is_first or (pp.is_last and args.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp) if want_embed else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(args, tp, backend, args.windows[i]) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            LlamaDecoderLayer(args, tp, backend, args.windows[i]) if i in mine else nn.Module()
+            for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if pp.is_last else None
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position, args.rope_theta, args.rope_scaling)
 
 
@@ -197,15 +206,17 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, args: LlamaArgs, tp: TPGroup = TPGroup(),
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, pp: PPStage = PPStage()) -> None:
         super().__init__()
         self.args = args
         self.tp = tp
-        self.model = LlamaModel(args, tp, backend or TorchSDPABackend())
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
-        if args.tie_word_embeddings:
+        self.pp = pp
+        self.model = LlamaModel(args, tp, backend or TorchSDPABackend(), pp)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp) if pp.is_last else None
+        if args.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_layers = args.num_layers
+        self.local_layers = self.model.layer_range  # the layers this stage runs and keeps a KV cache for
         self.num_kv_heads = tp.shard(args.num_kv_heads, "num_key_value_heads")
         self.head_dim = args.head_dim
         self.vocab_size = args.vocab_size
@@ -216,15 +227,25 @@ class LlamaForCausalLM(nn.Module):
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                attn: AttentionMetadata) -> Tensor:
-        """Final-norm hidden states [T, hidden] for the flattened batch."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"kv_caches: expected {self.num_layers} layers, got {len(kv_caches)}")
+                attn: AttentionMetadata, intermediate: tuple[Tensor, Tensor] | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        """Final-norm hidden states [T, hidden] for the flattened batch. A pipeline stage after the first
+        starts from the previous stage's (hidden, residual) in `intermediate`; a stage before the last
+        returns its own (hidden, residual) instead of normed states."""
+        if len(kv_caches) != len(self.local_layers):
+            raise ValueError(f"kv_caches: expected {len(self.local_layers)} layers, got {len(kv_caches)}")
         m = self.model
         cos, sin = m.rotary.cos_sin(positions)  # shared by every layer
-        hidden, residual = m.embed_tokens(input_ids), None
-        for layer, cache in zip(m.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, cache, attn)
+        if self.pp.is_first:
+            hidden, residual = m.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError(f"intermediate: stage {self.pp.index} needs the previous stage's activations")
+            hidden, residual = intermediate
+        for i, cache in zip(self.local_layers, kv_caches):
+            hidden, residual = m.layers[i](hidden, residual, cos, sin, cache, attn)
+        if not self.pp.is_last:
+            return hidden, residual
         return m.norm.add_forward(hidden, residual)[0]
 
     def use_linear_kernel(self, kernel: str, batch_hint: int, gemv: CompactGemv | None = None,
@@ -294,6 +315,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb." in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
                 continue
+            if not self._on_this_stage(name):
+                continue
             module_path, _, param = name.rpartition(".")
             parent, _, leaf = module_path.rpartition(".")
             part = None
@@ -317,6 +340,20 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n, _ in self.named_parameters() if len(done.get(n, ())) < _parts(self, n)]
         if missing:
             raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a module this pipeline stage holds."""
+        m = self.model
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.local_layers
+        if name.startswith("model.embed_tokens."):
+            return m.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return m.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
 
 def _parts(model: nn.Module, param_name: str) -> int:

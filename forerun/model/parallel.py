@@ -1,8 +1,9 @@
-"""Tensor-parallel group info that the parallel layers read; no process state lives here."""
+"""Tensor- and pipeline-parallel placement that the model reads; no process state lives here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,11 +15,13 @@ class TPGroup:
     """This rank's place in the tensor-parallel group.
 
     Invariant: 0 <= rank < size. With size == 1 no method touches torch.distributed, so a
-    single-process model never needs a process group.
+    single-process model never needs a process group. `group` is the process group of this rank's
+    tensor-parallel peers; None means the default group (no pipeline stages: every rank is a peer).
     """
 
     rank: int = 0
     size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; typed loosely so the dataclass stays hashable
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -29,7 +32,7 @@ class TPGroup:
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum `x` over ranks in place and return it."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: Tensor) -> Tensor:
@@ -37,7 +40,7 @@ class TPGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
     def shard(self, total: int, what: str) -> int:
@@ -45,3 +48,39 @@ class TPGroup:
         if total % self.size:
             raise ValueError(f"{what}: {total} is not divisible by tensor-parallel size {self.size}")
         return total // self.size
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """This rank's pipeline stage: which contiguous layers it holds.
+
+    Invariant: 0 <= start < end <= num_layers, so every stage holds at least one layer. The first stage
+    also holds the embedding, the last the final norm and the LM head.
+    """
+
+    index: int = 0
+    size: int = 1
+    start: int = 0
+    end: int = -1  # -1: up to the model's last layer (a single stage)
+
+    @classmethod
+    def split(cls, index: int, size: int, num_layers: int) -> "PPStage":
+        """Stage `index` of `size` over `num_layers` layers; earlier stages take one more layer when they
+        do not divide evenly (the last stage also runs the LM head)."""
+        if size > num_layers:
+            raise ValueError(f"pipeline_parallel_size: {size} stages for {num_layers} layers; "
+                             "every stage needs at least one layer")
+        base, extra = divmod(num_layers, size)
+        start = index * base + min(index, extra)
+        return cls(index, size, start, start + base + (1 if index < extra else 0))
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return range(self.start, num_layers if self.end < 0 else self.end)

@@ -13,8 +13,8 @@ from torch import Tensor
 from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
-from forerun.model.parallel import TPGroup
 from forerun.model.compact_weights import load_gguf_blocks
+from forerun.model.parallel import PPStage, TPGroup
 from forerun.model.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -61,18 +61,27 @@ def model_matmul_shapes(config: dict, tp_size: int = 1) -> list[tuple[int, int, 
     return matmul_shapes(LlamaArgs.from_config(config, arch), tp_size)
 
 
+def check_pipeline_stages(folder: Path, pp_size: int) -> None:
+    """Raise ValueError naming `pipeline_parallel_size` when the model has fewer layers than stages;
+    read from config.json alone, so it can be checked before any worker starts."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    PPStage.split(0, pp_size, int(config["num_hidden_layers"]))
+
+
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup(),
-               backend: AttentionBackend | None = None) -> CausalLM:
+               backend: AttentionBackend | None = None, pp_rank: int = 0, pp_size: int = 1) -> CausalLM:
     """Build the model for `folder`'s config.json on `device` in `dtype` and load its safetensors
-    (attention through `backend`, stock PyTorch when None)."""
+    (attention through `backend`, stock PyTorch when None); with `pp_size` > 1 only pipeline stage
+    `pp_rank`'s share of the layers."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"folder: no config.json in {folder}")
     config = json.loads(config_path.read_text())
     arch, cls = resolve_architecture(config)
     args = LlamaArgs.from_config(config, arch)
+    pp = PPStage.split(pp_rank, pp_size, args.num_layers) if pp_size > 1 else PPStage()
     with torch.device(device):
-        model = cls(args, tp, backend)
+        model = cls(args, tp, backend, pp)
     model.to(dtype)
     model.load_weights(iter_safetensors(Path(folder)))
     model.requires_grad_(False).eval()

@@ -28,6 +28,8 @@ from forerun.platform import default_device, distributed_backend, parse_dtype
 from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_gemv_rows, choose_kernels, measure
 from forerun.worker.model_runner import ModelRunner
 from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
+from forerun.worker.pp_runner import PipelineModelRunner
+from forerun.worker.stage_link import StageLink
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class Worker:
     """Owns one rank's model runner. Every method is safe to call through `collective_rpc`.
 
-    Invariant: `init_kv_cache` runs once, after every rank agreed on the same block count.
+    Invariants: `init_kv_cache` runs once, after every rank agreed on the same block count; rank =
+    pipeline stage * tensor_parallel_size + tensor-parallel rank, and the output rank (the one whose
+    `sample_tokens` result the engine reads) is the last stage's tensor-parallel rank 0.
     """
 
     def __init__(self, config: EngineConfig, model_folder: Path, rank: int = 0, world_size: int = 1,
@@ -79,7 +83,13 @@ class Worker:
             dist.init_process_group(distributed_backend(self.device), init_method=dist_init_method,
                                     rank=rank, world_size=world_size)
         torch.manual_seed(config.seed)
-        self.tp = TPGroup(rank, world_size)
+        tp_size, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        if world_size != tp_size * self.pp_size:
+            raise ValueError(f"tensor_parallel_size: {tp_size} x pipeline_parallel_size {self.pp_size} "
+                             f"does not match the {world_size} ranks started")
+        self.stage, tp_rank = divmod(rank, tp_size)
+        self.output_rank = world_size - tp_size
+        self.tp = TPGroup(tp_rank, tp_size, self._tp_group(tp_size))
         self.hf_config = json.loads((self.folder / "config.json").read_text())
         self.encoder_only = config.runner == "pooling" and is_encoder_model(self.hf_config)
         if self.encoder_only:
@@ -93,7 +103,7 @@ class Worker:
             self.dtype = choice.torch_dtype
             lib = self._native_library()
             self.model = load_model(self.folder, self.dtype, self.device, self.tp,
-                                    None if lib is None else NativeDecodeBackend(lib))
+                                    None if lib is None else NativeDecodeBackend(lib), self.stage, self.pp_size)
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
             gemv = None if lib is None else CompactGemv(lib)
@@ -106,6 +116,14 @@ class Worker:
                                 "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
         self.runner: ModelRunner | None = None
         self._profiler: torch.profiler.profile | None = None
+
+    def _tp_group(self, tp_size: int):
+        """This stage's tensor-parallel process group (None: the default group, when there are no stages).
+        Every rank creates every stage's group, in the same order, as torch.distributed requires."""
+        if self.pp_size == 1 or tp_size == 1:
+            return None
+        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(self.pp_size)]
+        return groups[self.stage]
 
     def _native_library(self) -> ctypes.CDLL | None:
         """forerun's C kernels on CPU unless turned off; None (stock torch ops) when they won't build."""
@@ -130,7 +148,7 @@ class Worker:
         if self.device.type != "cpu":
             return KernelChoice(DTYPE_NAMES[fixed or torch.bfloat16], "aten", {})
         if self.rank == 0:
-            choice = choose_kernels(model_matmul_shapes(self.hf_config, self.world_size), self._decode_batch(),
+            choice = choose_kernels(model_matmul_shapes(self.hf_config, self.tp.size), self._decode_batch(),
                                     [fixed] if fixed else [torch.float32, torch.bfloat16], kernels,
                                     cache_dir() / "cpu_probe.json")
         if self.world_size > 1:  # every rank must run the same dtype, or the collectives mismatch
@@ -153,7 +171,7 @@ class Worker:
         rows = 0
         if self.rank == 0 and usable:
             assert gemv is not None and fmt is not None
-            rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.world_size),
+            rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.tp.size),
                                              choice.linear_kernel, gemv, fmt, self._decode_batch(),
                                              cache_dir() / "cpu_probe.json")
             logger.info("%s-weight GEMV vs fp32 %s, speed-up by rows: %s", fmt, choice.linear_kernel,
@@ -174,7 +192,7 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         shape = self.model.kv_cache_shape(1, self.config.block_size)
-        return self.model.num_layers * int(torch.Size(shape).numel()) * self.dtype.itemsize
+        return len(self.model.local_layers) * int(torch.Size(shape).numel()) * self.dtype.itemsize
 
     def determine_num_blocks(self, max_model_len: int) -> int:
         """Blocks this rank can hold; never more than the batch could ever use (0 for encoders)."""
@@ -192,13 +210,18 @@ class Worker:
         caches: list[torch.Tensor] = []
         if not self.encoder_only:
             shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
-            caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.model.num_layers)]
+            caches = [_zeros(shape, self.dtype, self.device) for _ in self.model.local_layers]
         args = (self.model, caches, self.config.block_size, self.config.max_num_seqs, max_model_len,
                 int(self.hf_config.get("vocab_size", 0)), self.device)
         if self.config.runner == "pooling":
             pooling = PoolingConfig.from_folder(self.folder, default="last")
             cls = EncoderPoolingRunner if self.encoder_only else PoolingModelRunner
             self.runner = cls(*args, pooling=pooling)
+        elif self.pp_size > 1:
+            link = StageLink(self.stage, self.pp_size, self.tp.rank, self.tp.size, self.device)
+            self.runner = PipelineModelRunner(*args, link=link, rank=self.rank,
+                                              hidden_size=int(self.hf_config["hidden_size"]),
+                                              act_dtype=self.dtype, share_timing=self.config.trace)
         else:
             self.runner = ModelRunner(*args)
         logger.info("rank %d: KV cache of %d blocks x %d tokens", self.rank, num_blocks, self.config.block_size)
@@ -210,13 +233,13 @@ class Worker:
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
         assert self.runner is not None
         out = self.runner.sample_tokens(grammar_output)
-        return out if self.rank == 0 else None
+        return out if self.rank == self.output_rank else None
 
     def matmul_peak_gflops(self) -> float:
         """GFLOPS of this rank's matmuls at the model's decode shapes with the dtype and kernel in use,
         measured now: the limit one forward step can reach, taken in the same run as the figure it bounds."""
         choice = self.kernel_choice
-        shapes = model_matmul_shapes(self.hf_config, self.world_size)
+        shapes = model_matmul_shapes(self.hf_config, self.tp.size)
         return measure(shapes, self._decode_batch(), [(choice.torch_dtype, choice.linear_kernel)])[
             f"{choice.dtype}/{choice.linear_kernel}"]
 
