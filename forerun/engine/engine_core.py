@@ -67,8 +67,11 @@ class EngineCore:
         self.encoder_only = info.encoder_only
         kv = NoKVCache() if self.encoder_only else KVCacheManager(num_blocks, config.block_size,
                                                                    config.enable_prefix_caching)
+        spec = config.spec
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                    config.enable_chunked_prefill, encoder_only=self.encoder_only)
+                                    config.enable_chunked_prefill, encoder_only=self.encoder_only,
+                                    num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                                    spec_disable_batch_size=spec.disable_by_batch_size if spec else None)
         # Built on the first structured request: importing the grammar library costs about a second.
         self._structured_factory = structured_factory
         self.structured: Any = None
@@ -102,6 +105,10 @@ class EngineCore:
         sp = core_req.sampling_params
         if sp.structured_outputs is not None:
             req.grammar_future = self.structured_manager().submit(sp.structured_outputs)
+            if self.config.spec is not None:
+                # Drafts are not checked against the grammar: such a request decodes one token a step.
+                req.use_spec = False
+                logger.info("request %s: speculative decoding off (structured output)", rid)
         self.scheduler.add_request(req)
 
     def structured_manager(self) -> Any:
