@@ -8,7 +8,7 @@ import numpy as np
 
 class NgramProposer:
     """Finds the longest suffix n-gram (prompt_lookup_max down to prompt_lookup_min tokens) that occurred
-    before, at its latest earlier occurrence, and proposes up to k tokens that followed it.
+    before, at its earliest occurrence, and proposes up to k tokens that followed it.
 
     Invariants: a proposal depends only on the history passed in (so every tensor-parallel rank,
     given the same history, proposes the same drafts); it is empty when no n-gram of at least
@@ -44,6 +44,7 @@ class NgramProposer:
         best = int(match.max())
         if best < self.min_n:
             return history[:0]
-        # Latest occurrence among the longest matches: recent context predicts best.
-        end = int(ends[np.flatnonzero(match == best)[-1]])
+        # Earliest occurrence among the longest matches: in a copy or an edit that is the source in the
+        # prompt, and it has the most tokens after it (a run of one token drafts k, not 1).
+        end = int(ends[np.flatnonzero(match == best)[0]])
         return history[end + 1:end + 1 + k]
