@@ -257,3 +257,41 @@ def test_tensor_parallel_mp_matches(loopy_dir):
                                distributed_executor_backend="mp", tensor_parallel_size=2)
         assert got == want, f"async={mode}"
         assert stats.num_accepted_tokens > 0
+
+
+# ---- metrics and the benchmark ------------------------------------------------------------------
+
+def test_metrics_export_spec_counters_and_rates():
+    from forerun.engine.core_proc import EngineStats
+    from forerun.entrypoints.openai.metrics import ServerMetrics
+    m = ServerMetrics("m")
+    m.update_engine(EngineStats(num_steps=10, num_spec_drafts=4, num_spec_draft_tokens=12, num_spec_accepted_tokens=9))
+    text = m.render().decode()
+    assert 'forerun:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'forerun:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert 'forerun:spec_decode_acceptance_rate{model_name="m"} 0.75' in text
+    assert 'forerun:spec_decode_mean_accepted_length{model_name="m"} 3.25' in text
+    assert 'forerun:spec_decode_draft_tokens_per_step{model_name="m"} 1.2' in text
+
+
+def test_bench_throughput_compare_spec_on_the_grounded_workload(tmp_path, smollm2_dir):
+    """A tiny model with a narrow init repeats one token: drafts are proposed and mostly accepted (the
+    default model copying a passage is measured in the README, too slow for a test)."""
+    from test_cli import forerun
+    folder = save_tiny_model(tmp_path / "repeat", smollm2_dir, initializer_range=0.02)
+    out, trace = tmp_path / "r.json", tmp_path / "t.json"
+    res = forerun("bench", "throughput", "--model", str(folder), "--num-prompts", "2", "--output-len", "12",
+                  "--workload", "grounded", "--compare-spec", "--speculative-config", json.dumps(SPEC),
+                  "--trace", str(trace), "--output-json", str(out))
+    assert res.returncode == 0, res.stderr
+    result = json.loads(out.read_text())
+    assert result["workload"] == "grounded" and result["speculative_config"]["num_speculative_tokens"] == 3
+    plain, spec = result["async"], result["async_spec"]
+    assert "spec_decode" not in plain and plain["output_tokens"] == spec["output_tokens"] == 24
+    figures = spec["spec_decode"]
+    assert figures["num_draft_tokens"] > 0 and 0 < figures["acceptance_rate"] <= 1
+    assert figures["mean_accepted_length"] == round(1 + figures["num_accepted_tokens"] / figures["num_drafts"], 3)
+    assert spec["steps"] < plain["steps"]  # accepted drafts save steps
+    assert result["speedup_spec_over_no_spec_async"] > 0
+    updates = [e for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "update"]
+    assert any(e.get("args", {}).get("drafted", 0) > 0 for e in updates)

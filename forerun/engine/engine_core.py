@@ -247,9 +247,13 @@ class EngineCore:
             if result.timing is not None:
                 for name, b, e in result.timing.spans:
                     self.trace.span(name, sched.step_id, b, e, thread=result.timing.thread)
+            drafted = sum(result.num_drafted.values()) if result.num_drafted else 0
+            accepted = sum(len(result.sampled_token_ids[i]) - 1 for i, rid in enumerate(result.req_ids)
+                           if result.num_drafted and result.num_drafted.get(rid)) if drafted else 0
             self.trace.span("update", sched.step_id, t0,
                             dead_tokens=list(self.scheduler.last_dead_token_req_ids),
-                            finished=[o.request_id for o in outputs if o.finished])
+                            finished=[o.request_id for o in outputs if o.finished],
+                            draft_slots=sum(sched.num_draft_slots.values()), drafted=drafted, accepted=accepted)
         return outputs
 
     def _fail_all(self, exc: BaseException) -> EngineStepError:
