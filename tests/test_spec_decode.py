@@ -295,3 +295,23 @@ def test_bench_throughput_compare_spec_on_the_grounded_workload(tmp_path, smollm
     assert result["speedup_spec_over_no_spec_async"] > 0
     updates = [e for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "update"]
     assert any(e.get("args", {}).get("drafted", 0) > 0 for e in updates)
+
+
+def test_structured_requests_decode_without_drafts(tiny_llama_dir, caplog):
+    """A structured request in a speculating engine decodes one token a step (one log line says so),
+    next to plain requests that get draft slots; every output equals the one without speculation."""
+    import logging
+    import re
+
+    from forerun.structured.spec import StructuredOutputsParams
+    phone = SamplingParams(temperature=0.0, max_tokens=20,
+                           structured_outputs=StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}"))
+    ids = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [13, 14, 13, 14, 13]]
+    params = [phone, GREEDY, GREEDY]
+    want, _, _, _ = run(tiny_llama_dir, ids, params, async_scheduling=True)
+    with caplog.at_level(logging.INFO, logger="forerun.engine.engine_core"):
+        got, stats, _, outs = run(tiny_llama_dir, ids, params, async_scheduling=True, speculative_config=SPEC)
+    assert got == want
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", outs[0].outputs[0].text)
+    assert stats.num_draft_slots > 0
+    assert sum("speculative decoding off (structured output)" in r.message for r in caplog.records) == 1
