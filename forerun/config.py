@@ -106,6 +106,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads of the worker; None: all cores
     linear_kernel: str = "auto"  # CPU matmuls: auto (measured), aten (F.linear) or mkldnn (prepacked)
     native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
+    gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read bf16 weights; None: measured
     trace: bool = False  # record the step timeline
     # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -139,6 +140,9 @@ class EngineConfig:
             _positive(self.num_threads, "num_threads")
         if self.native_kernels not in (None, True, False):
             raise ValueError(f"native_kernels: expected a bool or None, got {self.native_kernels!r}")
+        if self.gemv_max_rows is not None and (not isinstance(self.gemv_max_rows, int)
+                                               or isinstance(self.gemv_max_rows, bool) or self.gemv_max_rows < 0):
+            raise ValueError(f"gemv_max_rows: expected a non-negative integer or None, got {self.gemv_max_rows!r}")
         if self.linear_kernel not in ("auto", "aten", "mkldnn"):
             raise ValueError(f"linear_kernel: expected auto, aten or mkldnn, got {self.linear_kernel!r}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)

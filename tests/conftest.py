@@ -17,8 +17,10 @@ def smollm2_dir() -> Path:
     return resolve_model(None, show_progress=False)
 
 
-def save_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A random fp32 model of `arch` with SmolLM2's tokenizer, saved as a Hugging Face folder."""
+def save_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, stored_dtype: str = "float32",
+                    **overrides) -> Path:
+    """A random model of `arch` with SmolLM2's tokenizer, saved as a Hugging Face folder with its
+    weights in `stored_dtype` (real checkpoints are mostly bf16)."""
     import torch
     import transformers as tf
 
@@ -33,7 +35,7 @@ def save_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: i
     model_cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
                  "mistral": tf.MistralForCausalLM}[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs)).eval()
+    model = model_cls(config_cls(**kwargs)).eval().to(getattr(torch, stored_dtype))
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():

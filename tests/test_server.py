@@ -161,6 +161,8 @@ BAD_REQUESTS = [
     ("max_tokens < 1", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("temperature < 0", {"prompt": "hi", "temperature": -1.0}, 400, "temperature"),
     ("prompt too long", {"prompt": "hello " * 400, "max_tokens": 4}, 400, "prompt"),
+    # 100 prompt tokens leave 156 of max_model_len 256: one more is refused, not silently capped.
+    ("max_tokens past the context", {"prompt": [5] * 100, "max_tokens": 157}, 400, "max_tokens"),
     ("stop id outside vocab", {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [1000000]}, 400, "stop_token_ids"),
     ("prompt id outside vocab", {"prompt": [1, 2, 1000000], "max_tokens": 4}, 400, "prompt"),
     ("seed past 64 bits", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
@@ -181,6 +183,13 @@ def test_bad_request_then_good_one(server, client, name, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_max_tokens_that_just_fits_runs_to_the_context(server):
+    body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 156, "ignore_eos": True, "temperature": 0.0}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 156
 
 
 @pytest.mark.parametrize("kwargs,param", [({"add_generation_prompt": "x"}, "chat_template_kwargs"),
@@ -218,7 +227,7 @@ def test_invalid_json_wrong_key_and_openai_client_errors(server, client):
 
 def test_disconnect_mid_stream_frees_blocks(server):
     before = wait_idle(server)["forerun:generation_tokens_total"]
-    body = {"model": "tiny", "prompt": "Count: " + "1 2 3 " * 10, "max_tokens": 200, "temperature": 0.0,
+    body = {"model": "tiny", "prompt": "Count: " + "1 2 3 " * 10, "max_tokens": 150, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers,
                       timeout=30) as r:
@@ -234,7 +243,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     after = wait_idle(server)
     assert after["forerun:num_requests_running"] == 0
     assert after["forerun:kv_cache_blocks_used"] == 0 and after["forerun:kv_cache_blocks_free"] == NUM_BLOCKS
-    assert after["forerun:generation_tokens_total"] - before < 200  # aborted, not run to the end
+    assert after["forerun:generation_tokens_total"] - before < 150  # aborted, not run to the end
 
 
 def test_64_concurrent_streams(server):

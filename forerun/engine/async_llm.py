@@ -49,7 +49,8 @@ class AsyncLLM:
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
         self.core = EngineCoreProcess(config, self.model_folder)
         self.max_model_len = self.core.info.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.core.info.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.core.info.vocab_size,
+                                     refuse_overlong_max_tokens=True)
         self.outputs = OutputProcessor(self.tokenizer)
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._children: dict[str, list[str]] = {}

@@ -14,12 +14,19 @@ Prompt = str | list[int]
 
 
 class InputProcessor:
-    """Validates and tokenizes. Every error is a ValueError naming the field at fault."""
+    """Validates and tokenizes. Every error is a ValueError naming the field at fault.
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    With `refuse_overlong_max_tokens` a `max_tokens` that cannot fit after the prompt is refused
+    (the server's behaviour, as OpenAI and vLLM's server answer 400); without it such a request
+    runs until `max_model_len` and finishes with "length" (the offline `LLM`'s behaviour).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
+                 refuse_overlong_max_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.refuse_overlong_max_tokens = refuse_overlong_max_tokens
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -48,6 +55,10 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is too long for max_model_len {self.max_model_len} "
                              "(at least one output token must fit)")
+        room = self.max_model_len - len(ids)
+        if self.refuse_overlong_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens: {params.max_tokens} is more than fit after this prompt of {len(ids)} "
+                             f"tokens: max_model_len is {self.max_model_len}, so at most {room}")
         now = time.monotonic()
         eos = self.tokenizer.eos_token_ids
         if params.n == 1:

@@ -11,7 +11,7 @@ from forerun.config import EngineConfig
 _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
            "enable_prefix_caching", "enable_chunked_prefill", "kv_cache_memory", "num_kv_blocks",
            "async_scheduling", "seed", "tensor_parallel_size", "distributed_executor_backend", "runner",
-           "num_threads", "linear_kernel", "native_kernels", "speculative_config")
+           "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "speculative_config")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
                         '"disable_by_batch_size": 32}\'')
+    g.add_argument("--gemv-max-rows", type=int, default=None,
+                   help="CPU fp32: matmuls of up to this many rows read the weights as bf16 when that is "
+                        "exact, halving the bytes a decode step reads (default: measured; 0 turns it off)")
     return parser
 
 

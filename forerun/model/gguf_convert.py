@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGUFReader
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from forerun.model.compact_weights import FORMATS, save_gguf_blocks
 from forerun.model.gguf_tensors import check_tensor_type, dequantize_tensor, hf_tensor_name, unpermute_rotary_rows
 from forerun.model.gguf_tokenizer import build_tokenizer, tokenizer_config, vocab_from_metadata
 
@@ -87,18 +89,30 @@ def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool) -> dict[str,
     return config
 
 
-def _convert_tensors(reader: GGUFReader, config: dict[str, Any], show_progress: bool) -> dict[str, np.ndarray]:
+def _convert_tensors(reader: GGUFReader, config: dict[str, Any], show_progress: bool
+                     ) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, torch.Tensor, int]]]:
+    """fp32 tensors by HF name, and the quantized blocks of every block-quantized matrix
+    (format, uint8 rows in the same row order, row length), which small-batch matmuls read."""
     permute = config["model_type"] == "llama"
     out: dict[str, np.ndarray] = {}
+    blocks: dict[str, tuple[str, torch.Tensor, int]] = {}
     for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not show_progress):
         name = hf_tensor_name(tensor.name)
         weight = dequantize_tensor(tensor)
+        raw = np.asarray(tensor.data)
+        quantized = tensor.tensor_type.name in FORMATS and weight.ndim == 2 and raw.ndim == 2
+        heads = None
         if permute and name.endswith("q_proj.weight"):
-            weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif permute and name.endswith("k_proj.weight"):
-            weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            weight = unpermute_rotary_rows(weight, heads)
+            raw = unpermute_rotary_rows(raw, heads) if quantized else raw
         out[name] = weight
-    return out
+        if quantized:
+            blocks[name] = (tensor.tensor_type.name, torch.from_numpy(np.array(raw, copy=True)), weight.shape[1])
+    return out, blocks
 
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
@@ -107,7 +121,8 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool) -> None:
     """Write config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json and
-    generation_config.json for the GGUF file into `out_dir` (created if missing).
+    generation_config.json for the GGUF file into `out_dir` (created if missing), plus the
+    block-quantized matrices' own blocks (forerun.model.compact_weights.BLOCKS_FILE).
 
     Everything is validated (architecture, tensor names and types, tokenizer) before the slow
     de-quantization starts, so bad input fails fast with a ValueError naming the field.
@@ -125,8 +140,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool) -> None:
     vocab = vocab_from_metadata(meta)
     tokenizer = build_tokenizer(vocab)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = _convert_tensors(reader, config, show_progress)
+    tensors, blocks = _convert_tensors(reader, config, show_progress)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if blocks:
+        save_gguf_blocks(out_dir, blocks)
     _write_json(out_dir / "config.json", config)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json",

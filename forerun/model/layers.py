@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from forerun.model.linear_kernels import LinearFn, make_linear
+from forerun.model.linear_kernels import LinearFn, make_linear, split_by_rows
+from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
 
@@ -105,19 +107,32 @@ class PackableLinear(nn.Module):
     """A linear layer whose matmul can be switched to a prepacked kernel once its weights are loaded.
 
     Invariant: until `use_kernel` is called, `matmul` is plain `F.linear` over `weight`; afterwards
-    it uses a packed copy made from the loaded weight (so weights must be loaded first).
+    it uses copies made from the loaded weight (so weights must be loaded first): a prepacked one,
+    and for small inputs a compact one that expands exactly to `weight`.
     """
 
     weight: nn.Parameter
+    compact: CompactWeight | None = None  # a checkpoint's own compact form of `weight` (GGUF blocks)
     _matmul: LinearFn | None = None
 
-    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True) -> None:
-        """Use `kernel` from now on. Without `keep_weight` a packed layer frees its dense weight (the
-        packed copy is all it reads), which halves the memory the model's matmuls hold."""
+    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
+                   gemv: CompactGemv | None = None, gemv_rows: int = 0) -> bool:
+        """Use `kernel` from now on, and `gemv` for inputs of at most `gemv_rows` rows over a compact form
+        of this weight (`compact`, else bf16 where that is exact); answers whether it can. Without
+        `keep_weight` a packed layer frees its dense weight (the packed copy is all it reads)."""
         bias = getattr(self, "bias", None) if with_bias else None
-        self._matmul = None if kernel == "aten" else make_linear(self.weight.detach(), bias, kernel, batch_hint)
-        if self._matmul is not None and not keep_weight:
+        weight = self.weight.detach()
+        large = None if kernel == "aten" else make_linear(weight, bias, kernel, batch_hint)
+        small = None
+        if gemv is not None and gemv_rows > 0:
+            small = gemv.linear(self.compact or CompactWeight.bf16_of(weight), bias)
+        if small is not None:
+            self._matmul = split_by_rows(small, large or (lambda x: F.linear(x, weight, bias)), gemv_rows)
+        else:
+            self._matmul = large
+        if large is not None and not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return small is not None
 
     def matmul(self, x: Tensor, with_bias: bool = True) -> Tensor:
         if self._matmul is not None:
@@ -182,9 +197,11 @@ class RowParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True) -> None:
+    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
+                   gemv: CompactGemv | None = None, gemv_rows: int = 0) -> bool:
         # With several ranks the bias is added once, after the all-reduce.
-        super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1, keep_weight=keep_weight)
+        return super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1, keep_weight=keep_weight,
+                                  gemv=gemv, gemv_rows=gemv_rows)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:

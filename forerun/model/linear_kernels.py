@@ -42,3 +42,8 @@ def make_linear(weight: Tensor, bias: Tensor | None, kernel: str, batch_hint: in
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     raise ValueError(f"linear_kernel: unknown kernel {kernel!r}; expected one of {KERNELS}")
+
+
+def split_by_rows(small: LinearFn, large: LinearFn, max_rows: int) -> LinearFn:
+    """`small` for inputs of at most `max_rows` rows (memory-bound), `large` above (compute-bound)."""
+    return lambda x: small(x) if x.shape[0] <= max_rows else large(x)

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
 
@@ -225,13 +227,55 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, cache, attn)
         return m.norm.add_forward(hidden, residual)[0]
 
-    def use_linear_kernel(self, kernel: str, batch_hint: int) -> None:
-        """Switch every matmul to `kernel` (see forerun.model.linear_kernels); weights must be loaded.
-        Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's."""
+    def use_linear_kernel(self, kernel: str, batch_hint: int, gemv: CompactGemv | None = None,
+                          gemv_rows: int = 0) -> tuple[int, int]:
+        """Switch every matmul to `kernel` (see forerun.model.linear_kernels), and inputs of at most
+        `gemv_rows` rows to `gemv` where it reads the weight exactly; weights must be loaded.
+        Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's.
+        Returns (matmuls on `gemv`, all matmuls)."""
+        on_gemv = total = 0
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 tied = module is self.lm_head and self.args.tie_word_embeddings
-                module.use_kernel(kernel, batch_hint, keep_weight=tied)
+                on_gemv += module.use_kernel(kernel, batch_hint, keep_weight=tied, gemv=gemv, gemv_rows=gemv_rows)
+                total += 1
+        return on_gemv, total
+
+    def attach_compact_weights(self, compact: dict[str, CompactWeight]) -> int:
+        """Give each matmul its checkpoint's compact form (by HF tensor name; packed q/k/v and gate/up
+        stacked) where it expands exactly to the loaded weight. One rank only: shards would cut
+        blocks. Returns how many matmuls got one; call before `use_linear_kernel`."""
+        if self.tp.size != 1 or not compact:
+            return 0
+        parts_of: dict[str, list[str]] = {}
+        for leaf, (packed, part) in sorted(_PACKED.items(), key=lambda kv: kv[1][1]):
+            parts_of.setdefault(packed, []).append(leaf)
+        attached = 0
+        for path, module in self.named_modules():
+            if not isinstance(module, PackableLinear):
+                continue
+            if module is self.lm_head:
+                names = ["model.embed_tokens.weight" if self.args.tie_word_embeddings else "lm_head.weight"]
+            else:
+                parent, _, leaf = path.rpartition(".")
+                names = [f"{parent}.{p}.weight" for p in parts_of.get(leaf, [leaf])]
+            if not all(n in compact for n in names):
+                continue
+            form = CompactWeight.cat([compact[n] for n in names])
+            if form is not None and form.matches(module.weight.detach()):
+                module.compact = form
+                attached += 1
+        return attached
+
+    def compact_format(self) -> str | None:
+        """The compact weight form most matmuls can read (see `attach_compact_weights`): the
+        checkpoint's own, else bf16 where the weights are bf16-exact, else None."""
+        linears = [m for m in self.modules() if isinstance(m, PackableLinear)]
+        forms = [m.compact.fmt for m in linears if m.compact is not None]
+        if forms:
+            return max(set(forms), key=forms.count)
+        first = next((m for m in linears if m.weight.numel()), None)
+        return "bf16" if first is not None and CompactWeight.bf16_of(first.weight.detach()) is not None else None
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms and the MLP activation through the fused C kernels where they accept the input."""

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAMES = frozenset({"default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"})
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converter's output changes, so stale cache folders are not reused.
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"  # 2: the quantized blocks are kept beside the fp32 weights
 
 
 def default_model_gguf() -> Path:

@@ -33,6 +33,10 @@ SIGNATURES = {
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
 }
+# Kernels with an fp32 variant only.
+SIGNATURES_F32 = {
+    "gemv_compact": (None, [_PTR, _PTR, _I64, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+}
 
 
 def load_native_library(cache_root: Path) -> ctypes.CDLL | None:
@@ -60,8 +64,9 @@ def load_native_library(cache_root: Path) -> ctypes.CDLL | None:
     except OSError as exc:
         logger.warning("loading %s failed (%s): using stock PyTorch ops", lib_path, exc)
         return None
-    for name, (restype, argtypes) in SIGNATURES.items():
-        for suffix in ("_f32", "_bf16"):
-            fn = getattr(lib, name + suffix)
-            fn.restype, fn.argtypes = restype, argtypes
+    exported = [(name + suffix, sig) for name, sig in SIGNATURES.items() for suffix in ("_f32", "_bf16")]
+    exported += [(name + "_f32", sig) for name, sig in SIGNATURES_F32.items()]
+    for symbol, (restype, argtypes) in exported:
+        fn = getattr(lib, symbol)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib

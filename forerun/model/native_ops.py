@@ -13,6 +13,14 @@ import torch
 from torch import Tensor
 
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+# Below this many elements a pass takes a microsecond or less: one thread does it. Waking the
+# others costs more, and on a busy machine a parallel region waits for its slowest thread's
+# time slice (milliseconds) before the step can go on.
+PARALLEL_MIN_ELEMENTS = 1 << 14
+
+
+def threads_for(elements: int) -> int:
+    return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
 
 
 class NativeOps:
@@ -37,7 +45,7 @@ class NativeOps:
         res_out = torch.empty_like(x) if residual is not None else x
         fn = getattr(self.lib, "add_rms_norm" + _SUFFIX[x.dtype])
         fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-           res_out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+           res_out.data_ptr(), x.shape[0], x.shape[1], eps, threads_for(x.numel()))
         return out, res_out
 
     def silu_mul(self, gate_up: Tensor) -> Tensor | None:
@@ -47,5 +55,5 @@ class NativeOps:
         inter = gate_up.shape[1] // 2
         out = gate_up.new_empty(gate_up.shape[0], inter)
         fn = getattr(self.lib, "silu_mul" + _SUFFIX[gate_up.dtype])
-        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
+        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, threads_for(gate_up.numel()))
         return out

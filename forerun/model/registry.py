@@ -14,6 +14,7 @@ from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
 from forerun.model.parallel import TPGroup
+from forerun.model.compact_weights import load_gguf_blocks
 from forerun.model.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -75,5 +76,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
     model.to(dtype)
     model.load_weights(iter_safetensors(Path(folder)))
     model.requires_grad_(False).eval()
+    attached = model.attach_compact_weights(load_gguf_blocks(Path(folder)))
+    if attached:
+        logger.info("%d matmuls can read the GGUF file's own quantized blocks", attached)
     logger.info("loaded %s from %s (%d layers, tp rank %d/%d)", arch, folder, args.num_layers, tp.rank, tp.size)
     return model

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from forerun.model.linear_kernels import available_kernels, make_linear
+from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemv import CompactGemv
 from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,73 @@ def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[
         cache[key] = asdict(choice)
         _write(cache_file, cache)
     return choice
+
+
+GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Distinct weights at least this large per probe, more than the last-level caches here: a real step
+# reads its weights from memory, and a probe that re-read one cached matrix would favour fp32.
+PROBE_WEIGHT_BYTES = 64 << 20
+
+
+def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
+                 rounds: int = 3) -> dict[int, float]:
+    """Speed-up of the compact-weight GEMV (weights in `fmt`) over fp32 `kernel` on one step's
+    matmuls, per row count, up to the first row count where it loses (timed alternately, best round)."""
+    total = sum(4 * k * n * count for k, n, count in shapes)
+    speedup: dict[int, float] = {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        layers = []
+        for k, n, count in shapes:
+            copies = min(count, max(1, -(-count * PROBE_WEIGHT_BYTES // total)))
+            for _ in range(copies):
+                compact = CompactWeight.random(fmt, n, k, gen)
+                small = gemv.linear(compact, None)
+                if small is None:
+                    return {}  # a shape the kernel does not take: the model keeps its fp32 matmuls
+                layers.append((k, count / copies, small, make_linear(compact.expand(), None, kernel, 64)))
+        for rows in (r for r in GEMV_ROWS if r <= max_rows):
+            xs = {k: torch.rand(rows, k) for k, _, _ in shapes}
+            best = [float("inf"), float("inf")]
+            for _ in range(rounds):
+                for i in (0, 1):
+                    seconds = 0.0
+                    for k, weight, small, large in layers:
+                        t0 = time.perf_counter()
+                        (small, large)[i](xs[k])
+                        seconds += (time.perf_counter() - t0) * weight
+                    best[i] = min(best[i], seconds)
+            speedup[rows] = best[1] / best[0]
+            if speedup[rows] < 1.0:
+                break
+    return speedup
+
+
+def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
+                     cache_file: Path | None) -> tuple[int, dict[int, float]]:
+    """The most rows up to which the compact-weight GEMV beats fp32 `kernel` at every measured row
+    count (0: never), and the measured speed-ups; cached like `choose_kernels`."""
+    key = json.dumps(["gemv_compact", gemv.build, cpu_signature(), torch.__version__, torch.get_num_threads(),
+                      max_rows, shapes, kernel, fmt])
+    cache = _read(cache_file)
+    if key in cache:
+        speedup = {int(r): float(v) for r, v in cache[key].items()}
+    else:
+        speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows)
+        if cache_file is not None:
+            cache[key] = speedup
+            _write(cache_file, cache)
+    return gemv_rows_from(speedup), speedup
+
+
+def gemv_rows_from(speedup: dict[int, float]) -> int:
+    """The largest measured row count below which the GEMV never lost (0 when it lost at the first)."""
+    rows = 0
+    for r in sorted(speedup):
+        if speedup[r] < 1.0:
+            break
+        rows = r
+    return rows
 
 
 def _read(path: Path | None) -> dict:

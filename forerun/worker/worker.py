@@ -21,10 +21,11 @@ from forerun.model.pooling import PoolingConfig
 from forerun.model.model_source import cache_dir
 from forerun.model.native_attention import NativeDecodeBackend
 from forerun.model.native_build import load_native_library
+from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
-from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_kernels, measure
+from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_gemv_rows, choose_kernels, measure
 from forerun.worker.model_runner import ModelRunner
 from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
 
@@ -95,8 +96,14 @@ class Worker:
                                     None if lib is None else NativeDecodeBackend(lib))
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
-            if choice.linear_kernel != "aten":
-                self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch())
+            gemv = None if lib is None else CompactGemv(lib)
+            gemv_rows = self._choose_gemv_rows(choice, gemv)
+            if choice.linear_kernel != "aten" or gemv_rows:
+                on_gemv, total = self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch(), gemv,
+                                                              gemv_rows)
+                if gemv_rows and self.rank == 0:
+                    logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
+                                "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
         self.runner: ModelRunner | None = None
         self._profiler: torch.profiler.profile | None = None
 
@@ -133,6 +140,29 @@ class Worker:
         if self.rank == 0 and choice.gflops:
             logger.info("CPU matmuls: %s", choice.describe())
         return choice
+
+    def _choose_gemv_rows(self, choice: KernelChoice, gemv: CompactGemv | None) -> int:
+        """Up to how many rows fp32 matmuls read compact weights (forerun.model.native_gemv): as
+        configured, or measured on this CPU against the chosen kernel for the model's compact format
+        (rank 0 decides). 0 where it cannot apply."""
+        want = self.config.gemv_max_rows
+        fmt = self.model.compact_format()
+        usable = gemv is not None and choice.torch_dtype == torch.float32 and fmt is not None
+        if want is not None:  # the same on every rank: no collective needed
+            return want if usable else 0
+        rows = 0
+        if self.rank == 0 and usable:
+            assert gemv is not None and fmt is not None
+            rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.world_size),
+                                             choice.linear_kernel, gemv, fmt, self._decode_batch(),
+                                             cache_dir() / "cpu_probe.json")
+            logger.info("%s-weight GEMV vs fp32 %s, speed-up by rows: %s", fmt, choice.linear_kernel,
+                        ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())) or "not measured")
+        if self.world_size > 1:  # every rank joins, whatever it found locally
+            box = [rows]
+            dist.broadcast_object_list(box, src=0)
+            rows = box[0]
+        return rows if usable else 0
 
     def model_info(self) -> ModelInfo:
         cfg = self.hf_config

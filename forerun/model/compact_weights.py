@@ -1,0 +1,108 @@
+"""Weights kept in a compact form beside an fp32 model: bf16, or a GGUF file's own quantized blocks.
+
+A decode step with few rows is bound by reading weights, so the small-batch matmul
+(forerun.model.native_gemv) reads these instead of the fp32 copy. Every compact weight is checked
+to expand to exactly the fp32 weight the model holds, so the model's arithmetic does not change.
+The GGUF converter saves the blocks (`save_gguf_blocks`) and the loader reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+# Format -> (code the C kernel knows, bytes per block of 32 weights; bf16 has no blocks).
+FORMATS = {"bf16": (0, 64), "Q8_0": (1, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
+BLOCKS_FILE = Path("gguf-blocks") / "blocks.safetensors"
+
+
+@dataclass(frozen=True)
+class CompactWeight:
+    """One [n, k] weight as `data`: uint8 [n, row_bytes], one weight row per line."""
+
+    fmt: str
+    data: Tensor
+    k: int
+
+    @property
+    def code(self) -> int:
+        return FORMATS[self.fmt][0]
+
+    @staticmethod
+    def bf16_of(weight: Tensor) -> CompactWeight | None:
+        """The bf16 form of an fp32 weight, or None when bf16 cannot hold it exactly."""
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        half = weight.detach().to(torch.bfloat16)
+        if not torch.equal(half.float(), weight):
+            return None
+        return CompactWeight("bf16", half.view(torch.uint8), weight.shape[1])
+
+    def expand(self) -> Tensor:
+        """The fp32 weight, computed as GGUF's reference de-quantization computes it."""
+        if self.fmt == "bf16":
+            return self.data.view(torch.bfloat16).float()
+        n = self.data.shape[0]
+        blocks = self.data.view(n, -1, FORMATS[self.fmt][1])
+        d = blocks[..., :2].contiguous().view(torch.float16).float()
+        if self.fmt == "Q8_0":
+            return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).view(n, -1)
+        qs = blocks[..., 4:] if self.fmt == "Q4_1" else blocks[..., 2:]
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()  # low nibbles are elements 0-15
+        if self.fmt == "Q4_1":
+            m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+            return (d * q + m).view(n, -1)
+        return ((q - 8) * d).view(n, -1)
+
+    def matches(self, weight: Tensor) -> bool:
+        return tuple(weight.shape) == (self.data.shape[0], self.k) and torch.equal(self.expand(), weight)
+
+    @staticmethod
+    def cat(parts: list[CompactWeight]) -> CompactWeight | None:
+        """Parts stacked by rows (q/k/v or gate/up packed into one matmul); None if they differ in form."""
+        if len({(p.fmt, p.k) for p in parts}) != 1:
+            return None
+        return CompactWeight(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].k)
+
+    @staticmethod
+    def random(fmt: str, n: int, k: int, gen: torch.Generator | None = None) -> CompactWeight:
+        """A weight of realistic magnitude in `fmt`, for timing."""
+        if fmt == "bf16":
+            w = (torch.rand(n, k, generator=gen) - 0.5).mul_(0.1).to(torch.bfloat16)
+            return CompactWeight(fmt, w.view(torch.uint8), k)
+        size = FORMATS[fmt][1]
+        data = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=gen)
+        scale = torch.full((n, k // 32, 1), 0.01, dtype=torch.float16).view(torch.uint8)
+        data[..., :2] = scale
+        if fmt == "Q4_1":
+            data[..., 2:4] = torch.full((n, k // 32, 1), -0.05, dtype=torch.float16).view(torch.uint8)
+        return CompactWeight(fmt, data.view(n, -1), k)
+
+
+def save_gguf_blocks(out_dir: Path, blocks: dict[str, tuple[str, Tensor, int]]) -> None:
+    """Write {hf_name: (format, uint8 rows, k)} beside a converted model."""
+    path = out_dir / BLOCKS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {name: json.dumps([fmt, k]) for name, (fmt, _, k) in blocks.items()}
+    save_file({name: rows.contiguous() for name, (_, rows, _) in blocks.items()}, str(path), metadata=meta)
+
+
+def load_gguf_blocks(folder: Path) -> dict[str, CompactWeight]:
+    """The blocks saved beside a converted GGUF model ({} for any other folder)."""
+    path = Path(folder) / BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        for name in f.keys():
+            fmt, k = json.loads(meta[name])
+            if fmt in FORMATS:
+                out[name] = CompactWeight(fmt, f.get_tensor(name), int(k))
+    return out
