@@ -21,7 +21,8 @@ from forerun.worker.spec_sampler import SpecSampler
 from forerun.worker.sampling_inputs import build_sampling_metadata, grammar_bad_token_mask
 
 
-_NO_DRAFTS = np.zeros(0, np.int64)
+_NO_DRAFTS = np.zeros(0, np.int64)  # a shared empty proposal: read-only, so no step can change it
+_NO_DRAFTS.setflags(write=False)
 
 
 @dataclass
