@@ -50,8 +50,10 @@ class Scheduler:
     """Decides, each step, how many tokens each request computes.
 
     Invariants: running requests come first, in admission order (FCFS), and preemption takes the most
-    recently admitted one; `num_computed_tokens` advances when a request is scheduled; a finished
-    request's blocks are back in the pool before `update_from_output` returns.
+    recently admitted one; `num_computed_tokens` advances when a request is scheduled (by 1 + k for a
+    decode given k draft slots, rolled back by the slots not accepted when its output is applied, so
+    it is an upper bound while a step is in flight); a finished request's blocks are back in the pool
+    before `update_from_output` returns.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, structured: Any = None) -> None:
