@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from forerun.core.request_queue import SchedulingPolicy, validate_scheduling_policy
 from forerun.core.step_policy import PrefillDecodePolicy, validate_policy
@@ -31,6 +32,59 @@ def parse_bytes(value: str | int, name: str = "kv_cache_memory") -> int:
     if n <= 0:
         raise ValueError(f"{name}: must be positive, got {value!r}")
     return n
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """N-gram (prompt lookup) speculative decoding, with vLLM's names.
+
+    Invariants (after `from_value`): 1 <= prompt_lookup_min <= prompt_lookup_max; a decode proposes at
+    most `num_speculative_tokens` drafts; `disable_by_batch_size` None means never turned off.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None  # no drafts in a step whose running batch is larger than this
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+        """A dict (as `LLM(speculative_config=...)`), a JSON string (as the CLI) or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: expected a dict or a JSON object, got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown option; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens: required")
+        method = value.get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method: only 'ngram' is supported, got {method!r}")
+        values = dict(value)
+        # As vLLM: one bound given means both take it.
+        lo, hi = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+        if lo is None and hi is not None:
+            values["prompt_lookup_min"] = min(hi, cls.prompt_lookup_min)
+        if hi is None and lo is not None:
+            values["prompt_lookup_max"] = max(lo, cls.prompt_lookup_max)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            _positive(values.get(name, getattr(cls, name)), f"speculative_config.{name}")
+        if values.get("disable_by_batch_size") is not None:
+            _positive(values["disable_by_batch_size"], "speculative_config.disable_by_batch_size")
+        cfg = cls(**values)
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min: {cfg.prompt_lookup_min} exceeds "
+                             f"prompt_lookup_max {cfg.prompt_lookup_max}")
+        return cfg
 
 
 @dataclass
@@ -61,6 +115,8 @@ class EngineConfig:
     native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
     gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read compact weights; None: measured
     trace: bool = False  # record the step timeline
+    # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -100,6 +156,11 @@ class EngineConfig:
             raise ValueError(f"linear_kernel: expected auto, aten or mkldnn, got {self.linear_kernel!r}")
         validate_policy(self.prefill_decode_policy, self.split_interleave_steps)
         validate_scheduling_policy(self.scheduling_policy)
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.speculative_config is not None and self.runner == "pooling":
+            raise ValueError("speculative_config: pooling models generate no tokens to speculate on")
+        if self.speculative_config is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1 yet")
         self.resolve_async_scheduling()
 
     @property
@@ -116,6 +177,12 @@ class EngineConfig:
                              f"not {self.distributed_executor_backend!r}")
         if self.runner != "generate":
             raise ValueError("pipeline_parallel_size: pipeline stages serve generation models only")
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        """The validated speculative config (call after `validate`)."""
+        assert not isinstance(self.speculative_config, (dict, str))
+        return self.speculative_config
 
     def resolve_async_scheduling(self) -> None:
         """Async scheduling is on by default for generation and off for pooling, where no decode overlaps."""

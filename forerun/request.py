@@ -70,6 +70,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.grammar: Any = None  # a structured-output matcher once compiled
         self.grammar_future: Any = None
+        self.use_spec = True  # the scheduler may reserve draft slots for this request's decodes
         budget = max_model_len - len(self.prompt_token_ids)
         asked = self.sampling_params.max_tokens
         self.max_tokens = budget if asked is None else min(asked, budget)

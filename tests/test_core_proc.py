@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import msgspec
 import zmq
 
+from forerun.core.scheduler import SpecDecodeStats
 from forerun.engine.core_proc import CoreMessage, _CoreLoop
 from forerun.engine.engine_core import EngineStepError
 from forerun.outputs import EngineCoreOutput
@@ -24,7 +25,8 @@ class ScriptedCore:
         self.pending: list[str] = []
         self.failed_once = False
         kv = SimpleNamespace(num_free_blocks=10, pool=SimpleNamespace(num_blocks=10), stats=SimpleNamespace(hit_rate=0.5))
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0, num_dead_tokens=0, kv=kv)
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0, num_dead_tokens=0, kv=kv,
+                                         spec_stats=SpecDecodeStats())
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.prompt_token_ids == [666]:

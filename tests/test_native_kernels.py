@@ -47,6 +47,16 @@ def test_decode_rows_match_stock_attention(native, heads, kv_heads, window, dtyp
     assert (got.float() - want.float()).abs().max().item() <= tol
 
 
+def test_decode_rows_of_one_block_next_to_a_longer_row(native):
+    # Decode rows needing one block each beside a row needing three: the decode block ids are a
+    # one-column slice of the table, which must reach the C kernel as a contiguous buffer.
+    query_lens, seq_lens = [3, 1, 1, 1], [11, 2, 3, 4]
+    q, k, v, cache, meta = _batch(query_lens, seq_lens, 4, 2, 16, torch.float32)
+    want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.25, None)
+    got = native.forward(q, k, v, cache.clone(), meta, 0.25, None)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
 def test_unsupported_shapes_fall_back_to_stock_ops(native):
     q, k, v, cache, meta = _batch([1, 1], [5, 3], 4, 2, 12, torch.float32)  # head_dim 12: not a multiple of 8
     want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.3, None)

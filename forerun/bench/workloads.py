@@ -95,3 +95,69 @@ def make_tiny_llama(out: Path, tokenizer_folder: Path, hidden: int = 256, layers
         if (tokenizer_folder / name).exists():
             shutil.copy(tokenizer_folder / name, out / name)
     return out
+
+
+# Original passages for the input-grounded workload (each over 200 tokens with the default tokenizer).
+_PASSAGES = (
+    "The old lighthouse stood at the end of a narrow spit of rock, and for ninety years its keepers had "
+    "climbed the same one hundred and twelve steps every evening to light the lamp. The last keeper, a "
+    "quiet man named Tobias Fenn, kept a logbook in which he wrote down the weather, the ships that "
+    "passed, and the birds that rested on the gallery rail. When the light was automated in the spring "
+    "of 1987, he was asked to leave the tower, but he refused to go far. He bought a small cottage on "
+    "the hill above the harbour, and from its kitchen window he could still see the beam turning over "
+    "the water. Every evening at dusk he would stand by that window with a cup of tea and watch the "
+    "first flash cross the bay, and every morning he would write a single line in a new logbook: the "
+    "light worked, the sea was calm or rough, and the gulls were loud. He kept this second logbook for "
+    "twenty-two years, until the day the harbour master found him asleep in his chair by the window, "
+    "the pen still in his hand and the beam still turning over the dark water below.",
+    "To make a simple loaf of bread, start by mixing five hundred grams of strong white flour with ten "
+    "grams of salt and seven grams of dried yeast in a large bowl. Add three hundred and fifty millilitres "
+    "of lukewarm water and two tablespoons of olive oil, then stir with a wooden spoon until a rough dough "
+    "forms. Turn the dough out onto a lightly floured surface and knead it for ten minutes, pushing it away "
+    "with the heel of your hand and folding it back, until it becomes smooth and elastic. Place the dough "
+    "in a clean bowl, cover it with a damp towel, and leave it somewhere warm for about an hour, or until "
+    "it has doubled in size. Knock the air out of the dough, shape it into a tight round, and put it on a "
+    "baking tray dusted with flour. Leave it to rise for another forty minutes while the oven heats to two "
+    "hundred and twenty degrees. Slash the top with a sharp knife, bake for thirty minutes until the crust "
+    "is deep golden brown, and let the loaf cool on a wire rack before you slice it.",
+    "Dear Ms. Alvarez, thank you for your letter of the fourteenth of March regarding the delayed delivery "
+    "of your order. I am sorry that the three boxes of ceramic tiles did not arrive on the date we promised, "
+    "and I understand how frustrating it must have been to reschedule the builders at such short notice. "
+    "Our warehouse in Leeds had a problem with its loading system during the second week of March, and a "
+    "number of orders, including yours, were held back for five working days. The tiles were dispatched "
+    "on the twentieth of March and our records show that they were delivered to your address on the "
+    "twenty-second. As an apology for the inconvenience, we have refunded the delivery charge of "
+    "twenty-five pounds to your card, and we would like to offer you a discount of fifteen percent on "
+    "your next order with us. If any of the tiles arrived damaged, please send us a photograph and we "
+    "will replace them free of charge. Thank you again for your patience. Yours sincerely, Daniel Price, "
+    "Customer Service Manager.",
+    "The river begins as a thin stream high in the mountains, where snow melts slowly through the spring "
+    "and summer. It runs quickly over smooth grey stones, past pine trees and small meadows full of "
+    "yellow flowers, and by the time it reaches the first village it is wide enough for children to "
+    "swim in during the warm afternoons. Below the village the valley opens out, and the river slows "
+    "down as it winds between fields of wheat and barley. Farmers have drawn water from it for centuries, "
+    "and the remains of old stone mills can still be seen along its banks. Further south it passes through "
+    "a market town with a bridge of seven arches, built in the fourteenth century and still used by cars "
+    "and lorries today. After the town the river grows broad and brown, carrying mud and leaves towards "
+    "the coast, until at last it spreads into a wide estuary of sandbanks and reeds, where thousands of "
+    "wading birds gather every winter to feed on the mudflats at low tide.",
+)
+_TASKS = (
+    "Repeat the following passage exactly, word for word, with no comments:\n\n{p}",
+    "Copy the passage below, but replace every number written in words with digits. Change nothing else:\n\n{p}",
+    "Rewrite the following passage in the present tense where it is in the past tense, keeping every other "
+    "word the same:\n\n{p}",
+    "Correct any spelling mistakes in the passage below and output the full corrected passage:\n\n{p}",
+)
+
+
+def grounded_workload(tokenizer, num_prompts: int, output_len: int) -> Workload:
+    """Chat prompts asking the model to repeat or lightly edit a passage of 200+ tokens: outputs that
+    copy their input, where prompt-lookup drafting pays. Greedy; requests may stop at EOS."""
+    prompts = []
+    for i in range(num_prompts):
+        text = _TASKS[(i // len(_PASSAGES)) % len(_TASKS)].format(p=_PASSAGES[i % len(_PASSAGES)])
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+    params = [SamplingParams(temperature=0.0, max_tokens=output_len) for _ in range(num_prompts)]
+    return Workload(prompts, params)

@@ -9,8 +9,8 @@ from forerun.request import Request
 class AsyncScheduler(Scheduler):
     """Scheduler that counts tokens in flight.
 
-    Invariants: every scheduled step that samples a kept token adds one placeholder and applying the
-    output removes the tokens actually produced (never below zero); a request is never scheduled past
+    Invariants: every scheduled step that samples a kept token adds one placeholder per token it may
+    yield (1 + draft slots) and applying the output removes them all (never below zero); a request is never scheduled past
     `max_tokens` or the model length, counting its placeholders, so a length stop costs no dead token;
     a preempted request is not resumed until its in-flight tokens have arrived.
     """
@@ -23,15 +23,19 @@ class AsyncScheduler(Scheduler):
         return req.num_tokens_with_placeholders - req.num_computed_tokens
 
     def _on_scheduled(self, req: Request, num_tokens: int) -> None:
-        # A step samples a kept token only when it reaches the end of the known sequence:
-        # a decode, or the last chunk of a prefill.
+        # A step samples a kept token only when it reaches the end of the known sequence: a decode, or
+        # the last chunk of a prefill. A decode with k draft slots may yield up to 1 + k tokens, and
+        # placeholders count the most it may yield, so max_tokens is never overshot.
         if not req.pooling and req.num_computed_tokens >= req.num_tokens_with_placeholders:
-            req.num_output_placeholders += 1
+            req.num_output_placeholders += req.num_computed_tokens - req.num_tokens_with_placeholders + 1
 
-    def _on_output(self, req: Request, num_tokens: int) -> None:
-        # Every step that added a placeholder returns exactly one token for the request, even when the
-        # request was preempted meanwhile; partial prefill chunks added none and return none.
-        req.num_output_placeholders = max(0, req.num_output_placeholders - num_tokens)
+    def _on_output(self, req: Request, num_tokens: int, draft_slots: int) -> None:
+        # Every step that added placeholders returns at least one token for the request, even when the
+        # request was preempted meanwhile; it removes all 1 + k it added, whatever was accepted. Partial
+        # prefill chunks added none and return none.
+        super()._on_output(req, num_tokens, draft_slots)
+        if num_tokens:
+            req.num_output_placeholders = max(0, req.num_output_placeholders - 1 - draft_slots)
 
     def _can_admit(self, req: Request) -> bool:
         return req.num_output_placeholders == 0

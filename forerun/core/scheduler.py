@@ -18,6 +18,25 @@ from forerun.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding totals since the engine started (counted for requests still live)."""
+
+    num_drafts: int = 0  # verifications: decode rows that carried at least one draft
+    num_draft_tokens: int = 0  # drafts the worker proposed
+    num_accepted_tokens: int = 0  # drafts the target model confirmed
+    num_draft_slots: int = 0  # slots the scheduler reserved (the worker fills at most these)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields: accepted drafts plus the target's own token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -28,6 +47,8 @@ class SchedulerConfig:
     prefill_decode_policy: str = "mixed"  # mixed, split or prefill-first (see forerun/core/step_policy.py)
     split_interleave_steps: int = 1  # split: most prefill steps in a row while a decode waits
     scheduling_policy: str = "fcfs"  # fcfs, or priority: lower `Request.priority` first
+    num_spec_tokens: int = 0  # draft slots reserved per decode (n-gram speculation); 0: off
+    spec_disable_batch_size: int | None = None  # no drafts in a step whose running batch is larger
 
 
 class Scheduler:
@@ -36,7 +57,8 @@ class Scheduler:
     Invariants: running requests come first, in admission order (FCFS), and preemption takes the most
     recently admitted one; under the priority policy both queues are in (priority, arrival) order instead,
     so preemption takes the lowest-priority request; `num_computed_tokens` advances when a request is
-    scheduled; a finished request's blocks are back in the pool before `update_from_output` returns.
+    scheduled (by 1 + k for a decode given k draft slots, rolled back by the slots not accepted when its
+    output is applied, so it is an upper bound while a step is in flight); a finished request's blocks are back in the pool before `update_from_output` returns.
     Which requests share a step (prefills, decodes or both) is the `StepPolicy`'s call.
     """
 
@@ -56,6 +78,7 @@ class Scheduler:
         self.num_dead_tokens = 0
         self.last_dead_token_req_ids: list[str] = []
         self.total_scheduled_tokens = 0
+        self.spec_stats = SpecDecodeStats()
         self._error_outputs: list[EngineCoreOutput] = []
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -130,12 +153,14 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        draft_slots: dict[str, int] = {}
+        spec_on = self._spec_on()
 
         policy = self.step_policy
         decode_ready = policy.needs_decode_ready and self._decode_ready()
         self.last_step_phase = None
         for phase in policy.phases(decode_ready):
-            self._schedule_pass(phase, num_scheduled, new_reqs, preempted, grammars_ready)
+            self._schedule_pass(phase, num_scheduled, new_reqs, preempted, grammars_ready, draft_slots, spec_on)
             if num_scheduled:
                 self.last_step_phase = phase
                 break
@@ -155,6 +180,8 @@ class Scheduler:
                 self._sent_blocks[req.request_id] = len(ids)
 
         out = self._make_output(num_scheduled, new_reqs, cached_reqs, preempted)
+        out.num_draft_slots = {rid: d for rid, d in draft_slots.items() if rid in out.num_scheduled_tokens}
+        self.spec_stats.num_draft_slots += sum(out.num_draft_slots.values())
         return out
 
     def _is_decode(self, req: Request) -> bool:
@@ -167,7 +194,8 @@ class Scheduler:
         return any(self._is_decode(r) and self._num_new_tokens(r) > 0 for r in self.running)
 
     def _schedule_pass(self, phase: Phase, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
-                       preempted: set[str], grammars_ready: set[str] | None) -> None:
+                       preempted: set[str], grammars_ready: set[str] | None, draft_slots: dict[str, int],
+                       spec_on: bool) -> None:
         """Give tokens to running requests of `phase`, then (unless something was preempted) admit waiting
         ones, all under one fresh budget: the scheduler only runs a second pass when the first took nothing."""
         budget = self.config.max_num_batched_tokens
@@ -185,7 +213,12 @@ class Scheduler:
                 continue
             if max_prefills is not None and num_prefills >= max_prefills:
                 break
+            drafts = self._num_draft_slots(req, n, budget) if spec_on else 0
+            n += drafts
             while not self.kv.allocate_slots(req, n):
+                if drafts:  # drop the drafts before preempting anyone for them
+                    n, drafts = n - drafts, 0
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -194,6 +227,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break
             num_scheduled[req.request_id] = n
+            if drafts:
+                draft_slots[req.request_id] = drafts
+            # Capped at the committed tokens: drafts are never hashed into the prefix cache.
             self.kv.cache_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
             budget -= n
             if max_prefills is not None and not self._is_decode(req):
@@ -208,6 +244,22 @@ class Scheduler:
             if max_prefills <= 0:
                 return
         self._admit_waiting(budget, num_scheduled, new_reqs, grammars_ready, max_prefills)
+
+    def _spec_on(self) -> bool:
+        """Drafts this step at all: speculation configured and the batch not above the cut-off where
+        verifying drafts costs more than it saves."""
+        cfg = self.config
+        if cfg.num_spec_tokens <= 0:
+            return False
+        return cfg.spec_disable_batch_size is None or len(self.running) <= cfg.spec_disable_batch_size
+
+    def _num_draft_slots(self, req: Request, n: int, budget: int) -> int:
+        """Draft slots for a decode: k, capped so that every draft accepted plus the target's own token
+        stays within max_tokens (and so max_model_len) counting tokens in flight, and within the budget."""
+        if n != 1 or not req.use_spec or req.pooling or req.num_outputs_planned == 0:
+            return 0  # not a decode (a prompt's last token samples the first output without drafts)
+        room = req.max_tokens - req.num_outputs_planned - 1
+        return max(0, min(self.config.num_spec_tokens, room, budget - 1))
 
     def take_error_outputs(self) -> list[EngineCoreOutput]:
         """Requests that ended outside a step's output (a grammar that failed to compile)."""
@@ -316,7 +368,9 @@ class Scheduler:
                     self.num_dead_tokens += len(tokens)
                     self.last_dead_token_req_ids.append(rid)
                 continue
-            self._on_output(req, len(tokens))
+            self._on_output(req, len(tokens), sched.num_draft_slots.get(rid, 0))
+            if tokens and result.num_drafted and rid in result.num_drafted:
+                self._count_spec(result.num_drafted[rid], len(tokens) - 1)
             if req.pooling:
                 if result.pooled and rid in result.pooled:
                     outputs.append(self._finish_pooling(req, result.pooled[rid]))
@@ -326,8 +380,19 @@ class Scheduler:
                 outputs.append(out)
         return outputs
 
-    def _on_output(self, req: Request, num_tokens: int) -> None:
-        """Called before a request's sampled tokens are appended."""
+    def _on_output(self, req: Request, num_tokens: int, draft_slots: int) -> None:
+        """Called before a request's sampled tokens are appended: roll back the draft slots whose drafts
+        were rejected or never proposed (their KV slots are rewritten by the next step, and their blocks
+        stay with the request)."""
+        if draft_slots and num_tokens and req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens -= draft_slots - (num_tokens - 1)
+
+    def _count_spec(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            st = self.spec_stats
+            st.num_drafts += 1
+            st.num_draft_tokens += drafted
+            st.num_accepted_tokens += accepted
 
     def _append_tokens(self, req: Request, tokens: list[int], result: ModelRunnerOutput,
                        rid: str) -> EngineCoreOutput | None:

@@ -42,6 +42,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)  # dropped too; they come back as new
     structured_req_ids: list[str] = field(default_factory=list)  # rows that need a grammar bitmask
     pending_structured_output: bool = False  # a structured row waits for a token still in flight
+    # Decode rows given draft slots: num_scheduled_tokens = 1 + slots; the worker fills at most that many
+    # drafts from the request's full history (and may fill fewer, or none).
+    num_draft_slots: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -67,13 +70,15 @@ class StepTiming:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens per request (row order). A partial prefill chunk has an empty list."""
+    """Sampled tokens per request (row order). A partial prefill chunk has an empty list; a decode row
+    with drafts has the accepted drafts followed by the target's own token."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[dict[int, float]]] | None = None  # per request, per new token: {token_id: logprob}
     sampled_ranks: dict[str, list[int]] | None = None
     pooled: dict[str, list[float]] | None = None  # pooling runner: one embedding per finished prompt
+    num_drafted: dict[str, int] | None = None  # decode rows that had draft slots: drafts actually proposed
     timing: StepTiming | None = None
     error: str | None = None
 

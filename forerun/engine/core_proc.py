@@ -52,6 +52,9 @@ class EngineStats(msgspec.Struct):
     num_dead_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
+    num_spec_drafts: int = 0  # verification rows that carried drafts
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class CoreInfo(msgspec.Struct):
@@ -220,7 +223,8 @@ class _CoreLoop:
         total = kv.pool.num_blocks
         return EngineStats(sched.num_running, sched.num_waiting, total - kv.num_free_blocks, kv.num_free_blocks,
                            total, kv.stats.hit_rate, sched.num_preemptions, sched.num_dead_tokens,
-                           self.generated, self.steps)
+                           self.generated, self.steps, sched.spec_stats.num_drafts,
+                           sched.spec_stats.num_draft_tokens, sched.spec_stats.num_accepted_tokens)
 
 
 # ---- the parent's handle ------------------------------------------------------------------------

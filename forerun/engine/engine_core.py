@@ -70,11 +70,14 @@ class EngineCore:
         self.encoder_only = info.encoder_only
         kv = NoKVCache() if self.encoder_only else KVCacheManager(num_blocks, config.block_size,
                                                                    config.enable_prefix_caching)
+        spec = config.spec
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                     config.enable_chunked_prefill, encoder_only=self.encoder_only,
                                     prefill_decode_policy=config.prefill_decode_policy,
                                     split_interleave_steps=config.split_interleave_steps,
-                                    scheduling_policy=config.scheduling_policy)
+                                    scheduling_policy=config.scheduling_policy,
+                                    num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                                    spec_disable_batch_size=spec.disable_by_batch_size if spec else None)
         # Built on the first structured request: importing the grammar library costs about a second.
         self._structured_factory = structured_factory
         self.structured: Any = None
@@ -115,6 +118,10 @@ class EngineCore:
         sp = core_req.sampling_params
         if sp.structured_outputs is not None:
             req.grammar_future = self.structured_manager().submit(sp.structured_outputs)
+            if self.config.spec is not None:
+                # Drafts are not checked against the grammar: such a request decodes one token a step.
+                req.use_spec = False
+                logger.info("request %s: speculative decoding off (structured output)", rid)
         self.scheduler.add_request(req)
 
     def structured_manager(self) -> Any:
@@ -257,9 +264,13 @@ class EngineCore:
                 for timing in (*result.timing.stages, result.timing):  # pipeline stages, first to last
                     for name, b, e in timing.spans:
                         self.trace.span(name, sched.step_id, b, e, thread=timing.thread)
+            drafted = sum(result.num_drafted.values()) if result.num_drafted else 0
+            accepted = sum(len(result.sampled_token_ids[i]) - 1 for i, rid in enumerate(result.req_ids)
+                           if result.num_drafted and result.num_drafted.get(rid)) if drafted else 0
             self.trace.span("update", sched.step_id, t0,
                             dead_tokens=list(self.scheduler.last_dead_token_req_ids),
-                            finished=[o.request_id for o in outputs if o.finished])
+                            finished=[o.request_id for o in outputs if o.finished],
+                            draft_slots=sum(sched.num_draft_slots.values()), drafted=drafted, accepted=accepted)
         return outputs
 
     def _fail_all(self, exc: BaseException) -> EngineStepError:

@@ -37,6 +37,12 @@ class StepTrace:
     def dead_tokens(self) -> int:
         return sum(len(e.args.get("dead_tokens", ())) for e in self.events)
 
+    def spec_totals(self) -> tuple[int, int, int]:
+        """(verification steps with drafts, drafts proposed, drafts accepted) over the recorded steps."""
+        ups = [e.args for e in self.events if e.name == "update"]
+        return (sum(1 for a in ups if a.get("drafted")), sum(a.get("drafted", 0) for a in ups),
+                sum(a.get("accepted", 0) for a in ups))
+
     def busy_fraction(self) -> float:
         """Share of wall time (first to last event) that a worker spent in forward or sample, averaged over
         the worker threads that report spans (one per pipeline stage; one in all other setups)."""

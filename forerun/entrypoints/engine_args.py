@@ -13,7 +13,7 @@ _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
            "split_interleave_steps", "scheduling_policy", "kv_cache_memory", "num_kv_blocks",
            "async_scheduling", "seed", "tensor_parallel_size", "pipeline_parallel_size",
            "distributed_executor_backend", "runner",
-           "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows")
+           "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "speculative_config")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -56,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: forerun's C kernels, built at first use (decode attention, fused norm and "
                         "activation); default: on when they build, --no-native-kernels for stock torch ops")
+    g.add_argument("--speculative-config", default=None,
+                   help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
+                        '"disable_by_batch_size": 32}\'')
     g.add_argument("--gemv-max-rows", type=int, default=None,
                    help="CPU fp32: matmuls of up to this many rows read the weights as bf16 when that is "
                         "exact, halving the bytes a decode step reads (default: measured; 0 turns it off)")

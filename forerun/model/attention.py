@@ -76,7 +76,9 @@ class AttentionMetadata:
             per_row = -(-max(lens) // block_size)
             decode_len = per_row * block_size
             rows = tables if len(decode_rows) == len(query_lens) else tables[decode_rows]
-            decode_blocks = rows[:, :per_row].reshape(-1)
+            # contiguous(): with one block per row, reshape would return a strided view, and the C
+            # kernel reads this buffer as row-major `per_row` ids per row.
+            decode_blocks = rows[:, :per_row].contiguous().view(-1)
             decode_seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         starts = [0]
         for q in query_lens:

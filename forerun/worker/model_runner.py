@@ -10,12 +10,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from forerun.config import SpeculativeConfig
 from forerun.core.scheduler_output import (GrammarOutput, ModelRunnerOutput, SchedulerOutput,
                                            StepTiming)
 from forerun.model.attention import AttentionMetadata
 from forerun.worker.input_batch import InputBatch, RowState
+from forerun.worker.ngram_proposer import NgramProposer
 from forerun.worker.sampler import Sampler
+from forerun.worker.spec_sampler import SpecSampler
 from forerun.worker.sampling_inputs import build_sampling_metadata, grammar_bad_token_mask
+
+
+_NO_DRAFTS = np.zeros(0, np.int64)  # a shared empty proposal: read-only, so no step can change it
+_NO_DRAFTS.setflags(write=False)
 
 
 @dataclass
@@ -26,6 +33,8 @@ class _StepInFlight:
     sampling_states: list[RowState]  # rows whose sampled token is kept, in logits order
     logits: Tensor | None
     spans: list[tuple[str, float, float]]
+    drafts: list[np.ndarray] | None = None  # per kept row, the drafts its logits verify (None: no drafts)
+    num_drafted: dict[str, int] | None = None  # rows given draft slots: how many drafts were proposed
 
 
 class ModelRunner:
@@ -34,11 +43,15 @@ class ModelRunner:
     Invariants: `execute_model` and `sample_tokens` alternate; the previous step's sampled ids stay in
     `_prev_sampled` (on the device) and are scattered into the next step's input ids there, so the next
     forward never waits for a host copy; a row of a partial prefill chunk computes no logits and draws
-    nothing from its seeded generator.
+    nothing from its seeded generator. With speculation, each row's own token count and computed count
+    are the truth (the scheduler's are upper bounds until it learns what was accepted): drafts are
+    proposed from the whole history, the token sampled last step included, and a row computes
+    1 + drafts tokens from its true position.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[Tensor], block_size: int, max_num_seqs: int,
-                 max_model_len: int, vocab_size: int, device: torch.device) -> None:
+                 max_model_len: int, vocab_size: int, device: torch.device,
+                 spec: SpeculativeConfig | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -47,6 +60,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
         self.sampler = Sampler()
+        self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.spec_sampler = SpecSampler(self.sampler)
         self._step: _StepInFlight | None = None
         self._prev_sampled: Tensor | None = None
         self._prev_rows: dict[str, tuple[RowState, int]] = {}
@@ -65,7 +80,8 @@ class ModelRunner:
         for cached in so.cached_reqs:
             state = self.batch.states[cached.request_id]
             self.batch.append_blocks(state, cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            if self.proposer is None:  # with speculation the scheduler's count is only an upper bound
+                state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- execute -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -77,28 +93,67 @@ class ModelRunner:
             self._step = _StepInFlight([], [], None, [("prepare", t0, time.perf_counter())])
             return
         states = [self.batch.states[rid] for rid in req_ids]
-        input_ids, positions, attn, keep_idx, cu = self._prepare(states, so)
+        drafts = self._propose(states, so)
+        input_ids, positions, attn, keep_idx, cu = self._prepare(states, so, drafts)
         t1 = time.perf_counter()
         hidden = self._run_model(input_ids, positions, attn, cu)
-        self._after_forward(req_ids, states, hidden, keep_idx, cu, [("prepare", t0, t1)])
+        self._after_forward(req_ids, states, hidden, keep_idx, cu, [("prepare", t0, t1)], drafts)
 
     def _run_model(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata | None,
                    cu: np.ndarray) -> Tensor:
         return self.model(input_ids, positions, self.kv_caches, attn)
 
     def _after_forward(self, req_ids: list[str], states: list[RowState], hidden: Tensor, keep_idx: list[int],
-                       cu: np.ndarray, spans: list[tuple[str, float, float]]) -> None:
-        """Generation: logits only for the rows that keep a sampled token."""
+                       cu: np.ndarray, spans: list[tuple[str, float, float]],
+                       drafts: dict[str, np.ndarray] | None = None) -> None:
+        """Generation: logits only for the rows that keep a sampled token (for a row with d drafts, its
+        last 1 + d positions)."""
         logits = None
+        kept = [states[i] for i in keep_idx]
+        with_drafts = bool(drafts) and any(len(d) for d in drafts.values())
+        row_drafts = [drafts.get(s.req_id, _NO_DRAFTS) for s in kept] if with_drafts else None
         if keep_idx:
-            logits_idx = torch.from_numpy(cu[1:][keep_idx] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[logits_idx])
+            ends = cu[1:][keep_idx]
+            if row_drafts is None:
+                logits_idx = ends - 1
+            else:
+                counts = np.fromiter((1 + len(d) for d in row_drafts), np.int64, len(kept))
+                first = np.repeat(ends - counts, counts)
+                logits_idx = first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
         spans.append(("forward", spans[-1][2], time.perf_counter()))
-        self._step = _StepInFlight(req_ids, [states[i] for i in keep_idx], logits, spans)
+        num_drafted = None if drafts is None else {rid: len(d) for rid, d in drafts.items()}
+        self._step = _StepInFlight(req_ids, kept, logits, spans, row_drafts, num_drafted)
 
-    def _prepare(self, states: list[RowState], so: SchedulerOutput):
+    def _propose(self, states: list[RowState], so: SchedulerOutput) -> dict[str, np.ndarray] | None:
+        """Drafts for the rows given draft slots, written after each row's known tokens in `token_buf`."""
+        if self.proposer is None:
+            return None
+        # The token sampled last step must be on the host before drafting: stale history is what
+        # collapses acceptance when drafting runs a step ahead.
+        self._flush_prev()
+        if not so.num_draft_slots:
+            return None
+        out: dict[str, np.ndarray] = {}
+        buf = self.batch.token_buf
+        for s in states:
+            slots = so.num_draft_slots.get(s.req_id)
+            if slots is None:
+                continue
+            d = _NO_DRAFTS
+            if s.num_computed_tokens == s.num_tokens - 1:  # a decode: only the last token is new
+                slots = min(slots, buf.shape[1] - s.num_tokens)
+                d = self.proposer.propose(buf[s.row, :s.num_tokens], slots).copy()
+                buf[s.row, s.num_tokens:s.num_tokens + len(d)] = d
+            out[s.req_id] = d
+        return out
+
+    def _prepare(self, states: list[RowState], so: SchedulerOutput, drafts: dict[str, np.ndarray] | None = None):
         b = self.batch
         n = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), np.int64, len(states))
+        if drafts:  # a row with draft slots computes its last token plus the drafts actually proposed
+            n = np.fromiter((1 + len(drafts[s.req_id]) if s.req_id in drafts else n[i]
+                             for i, s in enumerate(states)), np.int64, len(states))
         start = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         known = np.fromiter((s.num_tokens for s in states), np.int64, len(states))
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
@@ -165,6 +220,11 @@ class ModelRunner:
         if step.logits is None:
             timing.spans.append(("sample", t0, time.perf_counter()))
             return ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids], timing=timing)
+        if step.drafts is not None:
+            result = self._verify(step, grammar)
+            timing.spans.append(("sample", t0, time.perf_counter()))
+            result.timing = timing
+            return result
         kept = step.sampling_states
         meta = build_sampling_metadata(self.batch, kept, self.vocab_size, self.device)
         if grammar is not None and grammar.structured_req_ids:
@@ -177,9 +237,49 @@ class ModelRunner:
         self._prev_sampled = out.sampled_token_ids
         self._prev_rows = {s.req_id: (s, i) for i, s in enumerate(kept)}
         result = self._to_output(step.req_ids, kept, out)
+        result.num_drafted = step.num_drafted
         timing.spans.append(("sample", t0, time.perf_counter()))
         result.timing = timing
         return result
+
+    def _verify(self, step: _StepInFlight, grammar: GrammarOutput | None) -> ModelRunnerOutput:
+        """Accept drafts against the target's logits and commit the kept tokens on the host at once
+        (the next step drafts from them)."""
+        kept, drafts = step.sampling_states, step.drafts
+        assert drafts is not None and step.logits is not None
+        counts = np.fromiter((1 + len(d) for d in drafts), np.int64, len(kept))
+        expanded = [s for s, c in zip(kept, counts) for _ in range(c)]
+        # Row j of a request sees drafts[:j] as output: exact for penalties and min_tokens whenever the
+        # row's result is used, since a row is used only when all drafts before it were accepted.
+        before = [d[:j].tolist() for d in drafts for j in range(1 + len(d))]
+        meta = build_sampling_metadata(self.batch, expanded, self.vocab_size, self.device, before)
+        meta.generators = {}
+        if grammar is not None and grammar.structured_req_ids:
+            meta.bad_token_mask = grammar_bad_token_mask(grammar, [s.req_id for s in expanded],
+                                                         step.logits.shape[1], self.device)
+        row_drafts = np.concatenate([np.append(d, -1) for d in drafts])
+        generators = {i: s.generator for i, s in enumerate(kept) if s.generator is not None}
+        v = self.spec_sampler(step.logits, meta, counts, row_drafts, generators)
+        for s, toks in zip(kept, v.tokens):
+            old = s.num_tokens
+            self.batch.token_buf[s.row, old:old + len(toks)] = toks
+            s.output_token_ids.extend(toks)
+            s.num_tokens = old + len(toks)
+            s.num_computed_tokens = s.num_tokens - 1  # the accepted drafts' KV is right; the rest is rewritten
+            s.last_pending = False
+        self._prev_sampled, self._prev_rows = None, {}
+        by_req = {s.req_id: i for i, s in enumerate(kept)}
+        tokens = [v.tokens[by_req[r]] if r in by_req else [] for r in step.req_ids]
+        logprobs = None
+        if v.logprobs is not None:
+            assert v.logprob_ids is not None
+            logprobs = {}
+            for i, s in enumerate(kept):
+                k = s.sampling_params.logprobs
+                if k is not None:
+                    logprobs[s.req_id] = [dict(zip(ids[:k + 1], lp[:k + 1]))
+                                          for lp, ids in zip(v.logprobs[i], v.logprob_ids[i])]
+        return ModelRunnerOutput(step.req_ids, tokens, logprobs=logprobs, num_drafted=step.num_drafted)
 
     def _to_output(self, req_ids: list[str], kept: list[RowState], out) -> ModelRunnerOutput:
         sampled = out.sampled_token_ids.tolist()

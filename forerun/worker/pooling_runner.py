@@ -34,7 +34,9 @@ class PoolingModelRunner(ModelRunner):
         self._req_ids: list[str] = []
 
     def _after_forward(self, req_ids: list[str], states: list[RowState], hidden: Tensor, keep_idx: list[int],
-                       cu: np.ndarray, spans: list[tuple[str, float, float]]) -> None:
+                       cu: np.ndarray, spans: list[tuple[str, float, float]],
+                       drafts: dict[str, np.ndarray] | None = None) -> None:
+        # `drafts` is always None here: pooling models never speculate (the config refuses it).
         # One reduction or gather for the whole batch: a per-request loop of small tensor ops costs more
         # than the pooling itself (each op pays the thread pool's wake-up).
         n = len(states)

@@ -52,6 +52,16 @@ class Sampler:
     """
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        x, logprobs = self.process(logits, meta)
+        sampled = self._sample(x, meta)
+        if logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        lp, ids, ranks = _gather_logprobs(logprobs, sampled, meta.max_num_logprobs or 0)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp,
+                             logprob_token_ids=ids, sampled_ranks=ranks)
+
+    def process(self, logits: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | None]:
+        """Float32 logits after masks and penalties, and their logprobs when some row asked."""
         _validate(logits, meta)
         # float() returns the input itself when it is already float32; every op
         # below is out of place, so the caller's logits stay untouched.
@@ -59,19 +69,12 @@ class Sampler:
         x = _apply_masks(x, meta)
         if meta.has_penalties:
             x = _apply_penalties(x, meta)
-
         # Logprobs describe the model's distribution after masks and penalties but
         # before temperature/top-k/top-p/min-p: those are sampling-strategy knobs, and
         # reporting the raw (processed) distribution keeps logprobs comparable across
         # requests with different sampling settings (as OpenAI-style APIs expect).
         logprobs = torch.log_softmax(x, dim=-1) if meta.max_num_logprobs is not None else None
-
-        sampled = self._sample(x, meta)
-        if logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled)
-        lp, ids, ranks = _gather_logprobs(logprobs, sampled, meta.max_num_logprobs or 0)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp,
-                             logprob_token_ids=ids, sampled_ranks=ranks)
+        return x, logprobs
 
     def _sample(self, x: Tensor, meta: SamplingMetadata) -> Tensor:
         # torch.argmax returns the first maximal index, so ties go to the lowest id.
@@ -235,8 +238,9 @@ def _cutoff_from_largest(x: Tensor, keep_k: Tensor, p: Tensor | None, n: int) ->
     return torch.where(keep.unsqueeze(1) >= vocab, torch.full_like(cut, float("-inf")), cut)
 
 
-def _sample_random(x: Tensor, meta: SamplingMetadata) -> Tensor:
-    """Temperature-scaled logits -> one token per row by top-k, top-p, min-p and an inverse-CDF draw."""
+def sampling_probs(x: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Temperature-scaled logits -> the probabilities a random row draws from, after top-k, top-p and
+    min-p; not renormalised after masking (a row's draw is scaled by its total mass)."""
     if meta.top_k is not None or meta.top_p is not None:
         x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
     probs = torch.softmax(x, dim=-1)
@@ -244,15 +248,26 @@ def _sample_random(x: Tensor, meta: SamplingMetadata) -> Tensor:
         min_p = meta.min_p.to(x.device, torch.float32).unsqueeze(1)
         threshold = min_p * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _sample_random(x: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Temperature-scaled logits -> one token per row by top-k, top-p, min-p and an inverse-CDF draw."""
+    probs = sampling_probs(x, meta)
     # Inverse-CDF sampling: one uniform per row picks the first token whose cumulative mass passes it.
     # That draws V times fewer random numbers than an exponential race (the race cost about 20 ms for
     # 64 x 49,152 on CPU, this about 3 ms), and a seeded row draws exactly one number per token.
-    # No renormalisation is needed after masking: the target is scaled by the row's total mass.
-    cdf = torch.cumsum(probs, dim=-1)
-    total = cdf[:, -1:]
     u = torch.rand(probs.shape[0], 1, device=probs.device)
     for row, generator in meta.generators.items():
         u[row] = torch.rand(1, generator=generator, device=probs.device)
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """[B, V] non-negative masses (each row some mass > 0) and [B, 1] uniforms in [0, 1) -> [B] tokens.
+    No renormalisation is needed after masking: the target is scaled by the row's total mass."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
     # Strictly below the total, so some cdf entry exceeds it; `right=True` returns the first index whose
     # cdf is greater than the target, which always has non-zero probability (its cdf just rose).
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))

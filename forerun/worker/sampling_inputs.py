@@ -12,8 +12,12 @@ from forerun.worker.sampling_metadata import SamplingMetadata
 
 
 def build_sampling_metadata(batch: InputBatch, states: list[RowState], vocab_size: int,
-                            device: torch.device) -> SamplingMetadata:
-    """Options that no row uses stay None, so the Sampler skips their work entirely."""
+                            device: torch.device, extra_outputs: list[list[int]] | None = None) -> SamplingMetadata:
+    """Options that no row uses stay None, so the Sampler skips their work entirely.
+
+    `extra_outputs[i]` are tokens that row i sees as output after the state's own (the drafts before
+    the row's position when verifying drafts: penalties and min_tokens then count them)."""
+    extra = extra_outputs or [[] for _ in states]
     rows = np.fromiter((s.row for s in states), np.int64, len(states))
 
     def col(arr: np.ndarray, off: float) -> Tensor | None:
@@ -33,12 +37,12 @@ def build_sampling_metadata(batch: InputBatch, states: list[RowState], vocab_siz
     if meta.has_penalties:
         meta.prompt_token_ids = _padded([batch.token_buf[s.row, :s.num_prompt_tokens] for s in states],
                                         vocab_size, device)
-        meta.output_token_ids = _padded([np.asarray(s.output_token_ids, np.int64) for s in states],
-                                        vocab_size, device)
+        meta.output_token_ids = _padded([np.asarray(s.output_token_ids + e, np.int64)
+                                         for s, e in zip(states, extra)], vocab_size, device)
     blocked = []
     for i, s in enumerate(states):
         sp = s.sampling_params
-        if sp.min_tokens and len(s.output_token_ids) < sp.min_tokens:
+        if sp.min_tokens and len(s.output_token_ids) + len(extra[i]) < sp.min_tokens:
             stop_ids = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(s.eos_token_ids))
             blocked.append((i, sorted(stop_ids)))
     meta.min_tokens_block = blocked or None

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from forerun.config import EngineConfig
+from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
@@ -223,7 +223,7 @@ class Worker:
                                               hidden_size=int(self.hf_config["hidden_size"]),
                                               act_dtype=self.dtype, share_timing=self.config.trace)
         else:
-            self.runner = ModelRunner(*args)
+            self.runner = ModelRunner(*args, spec=SpeculativeConfig.from_value(self.config.speculative_config))
         logger.info("rank %d: KV cache of %d blocks x %d tokens", self.rank, num_blocks, self.config.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

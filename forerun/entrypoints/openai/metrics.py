@@ -38,6 +38,17 @@ class ServerMetrics:
         self.preemptions = counter("forerun:num_preemptions", "Requests preempted for lack of KV blocks")
         self.dead_tokens = counter("forerun:async_dead_tokens",
                                    "Tokens sampled in flight for requests that had already finished")
+        self.spec_drafts = counter("forerun:spec_decode_num_drafts",
+                                   "Decode rows verified with at least one n-gram draft")
+        self.spec_draft_tokens = counter("forerun:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted = counter("forerun:spec_decode_num_accepted_tokens",
+                                     "Draft tokens the target model accepted")
+        self.spec_acceptance = gauge("forerun:spec_decode_acceptance_rate",
+                                     "Accepted / proposed draft tokens since start")
+        self.spec_mean_len = gauge("forerun:spec_decode_mean_accepted_length",
+                                   "Tokens per verified decode row (accepted drafts + 1) since start")
+        self.spec_drafted_per_step = gauge("forerun:spec_decode_draft_tokens_per_step",
+                                           "Draft tokens proposed per engine step since start")
         self.prompt_tokens = counter("forerun:prompt_tokens", "Prompt tokens of finished requests")
         self.success = Counter("forerun:request_success", "Finished requests by finish reason",
                                ["model_name", "finished_reason"], registry=self.registry)
@@ -61,8 +72,16 @@ class ServerMetrics:
         self.hit_rate.labels(m).set(s.prefix_cache_hit_rate)
         for counter, now, before in ((self.generated, s.num_generated_tokens, self._last.num_generated_tokens),
                                      (self.preemptions, s.num_preemptions, self._last.num_preemptions),
-                                     (self.dead_tokens, s.num_dead_tokens, self._last.num_dead_tokens)):
+                                     (self.dead_tokens, s.num_dead_tokens, self._last.num_dead_tokens),
+                                     (self.spec_drafts, s.num_spec_drafts, self._last.num_spec_drafts),
+                                     (self.spec_draft_tokens, s.num_spec_draft_tokens, self._last.num_spec_draft_tokens),
+                                     (self.spec_accepted, s.num_spec_accepted_tokens,
+                                      self._last.num_spec_accepted_tokens)):
             counter.labels(m).inc(max(0, now - before))
+        if s.num_spec_draft_tokens:
+            self.spec_acceptance.labels(m).set(s.num_spec_accepted_tokens / s.num_spec_draft_tokens)
+            self.spec_mean_len.labels(m).set(1.0 + s.num_spec_accepted_tokens / max(1, s.num_spec_drafts))
+            self.spec_drafted_per_step.labels(m).set(s.num_spec_draft_tokens / max(1, s.num_steps))
         self._last = s
 
     def observe_request(self, finish_reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
