@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.model.linear_kernels import available_kernels, make_linear
+from forerun.model.linear_kernels import LinearFn, available_kernels, make_linear
 from forerun.model.compact_weights import CompactWeight
 from forerun.model.native_gemv import CompactGemv
 from forerun.platform import cpu_signature
@@ -49,9 +49,8 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
             rounds: int = 5) -> dict[str, float]:
     """Achieved GFLOPS of one decode step's matmuls ((in, out, count) at `batch` rows) per candidate.
 
-    Candidates are timed round-robin and each keeps its best round: another process taking a core
-    for a moment (these machines are shared) then slows one round of every candidate alike instead
-    of all rounds of one, so the ranking survives noise that would otherwise settle the choice.
+    Candidates are timed round-robin, each keeping its best round (`best_rounds`), so the ranking
+    survives the noise of a shared machine.
     """
     flops = sum(2.0 * batch * k * n * count for k, n, count in shapes)
     with torch.inference_mode():
@@ -66,16 +65,24 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
                 fn(x)  # first call: allocation and kernel selection
                 layers.append((fn, x, count))
             prepared.append((f"{DTYPE_NAMES[dtype]}/{kernel}", layers))
-        best = {name: float("inf") for name, _ in prepared}
-        for _ in range(rounds):
-            for name, layers in prepared:
-                seconds = 0.0
-                for fn, x, count in layers:
-                    t0 = time.perf_counter()
-                    fn(x)
-                    seconds += (time.perf_counter() - t0) * count
-                best[name] = min(best[name], seconds)
-    return {name: flops / sec / 1e9 for name, sec in best.items()}
+        best = best_rounds([layers for _, layers in prepared], rounds)
+    return {name: flops / sec / 1e9 for (name, _), sec in zip(prepared, best)}
+
+
+def best_rounds(candidates: list[list[tuple[LinearFn, torch.Tensor, float]]], rounds: int) -> list[float]:
+    """Seconds of each candidate's calls (fn, input, weight: each call's time counts `weight` times),
+    timed round-robin, the best round of each. Another process taking a core for a moment then slows
+    one round of every candidate alike instead of all rounds of one."""
+    best = [float("inf")] * len(candidates)
+    for _ in range(rounds):
+        for i, calls in enumerate(candidates):
+            seconds = 0.0
+            for fn, x, weight in calls:
+                t0 = time.perf_counter()
+                fn(x)
+                seconds += (time.perf_counter() - t0) * weight
+            best[i] = min(best[i], seconds)
+    return best
 
 
 def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[torch.dtype],
@@ -137,16 +144,9 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
                 layers.append((k, count / copies, small, make_linear(compact.expand(), None, kernel, 64)))
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
             xs = {k: torch.rand(rows, k) for k, _, _ in shapes}
-            best = [float("inf"), float("inf")]
-            for _ in range(rounds):
-                for i in (0, 1):
-                    seconds = 0.0
-                    for k, weight, small, large in layers:
-                        t0 = time.perf_counter()
-                        (small, large)[i](xs[k])
-                        seconds += (time.perf_counter() - t0) * weight
-                    best[i] = min(best[i], seconds)
-            speedup[rows] = best[1] / best[0]
+            compact_s, fp32_s = best_rounds([[(small, xs[k], weight) for k, weight, small, _ in layers],
+                                             [(large, xs[k], weight) for k, weight, _, large in layers]], rounds)
+            speedup[rows] = fp32_s / compact_s
             if speedup[rows] < 1.0:
                 break
     return speedup
