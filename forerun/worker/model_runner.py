@@ -84,15 +84,23 @@ class ModelRunner:
                 state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- execute -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> None:
+    def _begin_step(self, so: SchedulerOutput) -> tuple[float, list[str], list[RowState]] | None:
+        """Apply the step's state changes; its start time, request ids and rows, or None for an empty
+        step (then recorded as done: only its prepare span)."""
         t0 = time.perf_counter()
         self._update_states(so)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             self._step = _StepInFlight([], [], None, [("prepare", t0, time.perf_counter())])
+            return None
+        return t0, req_ids, [self.batch.states[rid] for rid in req_ids]
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        begun = self._begin_step(so)
+        if begun is None:
             return
-        states = [self.batch.states[rid] for rid in req_ids]
+        t0, req_ids, states = begun
         drafts = self._propose(states, so)
         input_ids, positions, attn, keep_idx, cu = self._prepare(states, so, drafts)
         t1 = time.perf_counter()

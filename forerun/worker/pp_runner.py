@@ -57,13 +57,10 @@ class PipelineModelRunner(ModelRunner):
     # ---- execute -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
-        t0 = time.perf_counter()
-        self._update_states(so)
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
-            self._step = _StepInFlight([], [], None, [("prepare", t0, time.perf_counter())])
+        begun = self._begin_step(so)
+        if begun is None:
             return
-        states = [self.batch.states[rid] for rid in req_ids]
+        t0, req_ids, states = begun
         if self.link.is_first:
             self._take_tokens(states)
         input_ids, positions, attn, keep_idx, cu = self._prepare(states, so)
