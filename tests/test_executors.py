@@ -64,6 +64,18 @@ def assert_clean() -> None:
     assert live_children() == []
 
 
+def assert_dead_engine_winds_down(llm: LLM, prompts: list[str]) -> None:
+    """After a worker was killed: the surviving workers exit, new requests are refused, nothing is left."""
+    deadline = time.monotonic() + 5
+    while live_children() and time.monotonic() < deadline:  # the monitor ends the surviving workers
+        time.sleep(0.1)
+    assert live_children() == []
+    with pytest.raises(RuntimeError, match="died"):
+        llm.generate(prompts, greedy(), use_tqdm=False)
+    llm.shutdown()
+    assert_clean()
+
+
 @pytest.fixture(scope="module")
 def reference(varied_llama_dir) -> list[list[int]]:
     with make_llm(varied_llama_dir, "uni", 1, False) as llm:
@@ -187,14 +199,7 @@ def test_mp_worker_killed_mid_generation(varied_llama_dir):
     finally:
         killer.cancel()
     assert time.monotonic() - t0 < 11
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:  # the monitor ends the surviving rank
-        time.sleep(0.1)
-    assert live_children() == []
-    with pytest.raises(RuntimeError, match="died"):
-        llm.generate(PROMPTS, greedy(), use_tqdm=False)
-    llm.shutdown()
-    assert_clean()
+    assert_dead_engine_winds_down(llm, PROMPTS)
 
 
 def test_mp_worker_exception_reaches_caller(varied_llama_dir):

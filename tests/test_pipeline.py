@@ -26,7 +26,7 @@ from forerun.engine.engine_core import EngineStepError
 from forerun.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from forerun.model.parallel import PPStage
 from forerun.request import EngineCoreRequest, Request
-from test_executors import assert_clean, live_children
+from test_executors import assert_clean, assert_dead_engine_winds_down, live_children
 
 PROMPTS = ["Hello", "The capital of France is a city that",
            "One two three four five six seven eight nine ten eleven twelve", "Why"]
@@ -189,14 +189,7 @@ def test_killed_stage_ends_every_request_with_an_error(pp_model_dir):
     assert len(err.value.outputs) == len(PROMPTS) * 2
     assert all(o.finish_reason == "error" for o in err.value.outputs)
     assert not llm.engine.core.has_unfinished_requests()
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:  # the monitor ends the surviving stage
-        time.sleep(0.1)
-    assert live_children() == []
-    with pytest.raises(RuntimeError, match="died"):
-        llm.generate(PROMPTS, greedy(), use_tqdm=False)
-    llm.shutdown()
-    assert_clean()
+    assert_dead_engine_winds_down(llm, PROMPTS)
 
 
 def test_pp3_async_structured_output_matches_uni(pp_model_dir):
