@@ -11,6 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -118,6 +119,18 @@ def start_server(model: str | Path | None, *args: str, api_key: str | None = Non
         time.sleep(0.3)
     stop_server(server)
     raise RuntimeError(f"server did not start within {timeout_s} s:\n{server.log()}")
+
+
+def serving(model: str | Path | None, *args: str, api_key: str | None = None) -> Iterator[Server]:
+    """A module fixture's body: the server while the module's tests run, then stopped (unless a test
+    stopped it already) with no process left behind."""
+    srv = start_server(model, *args, api_key=api_key)
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            _, left = stop_server(srv)
+            assert not left
 
 
 def stop_server(server: Server, sig: int = signal.SIGTERM, timeout_s: float = 30) -> tuple[int, set[int]]:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from forerun import LLM, SamplingParams
-from serve_helpers import alive, descendants, start_server, stop_server, wait_idle
+from serve_helpers import alive, descendants, serving, start_server, stop_server, wait_idle
 
 API_KEY = "test-key"
 NUM_BLOCKS = 256
@@ -22,14 +22,8 @@ GREEDY = dict(temperature=0.0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    srv = start_server(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "256",
+    yield from serving(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "256",
                        "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16", api_key=API_KEY)
-    try:
-        yield srv
-    finally:
-        if srv.proc.poll() is None:
-            code, left = stop_server(srv)
-            assert not left
 
 
 @pytest.fixture(scope="module")

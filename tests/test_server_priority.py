@@ -9,21 +9,15 @@ import json
 import httpx
 import pytest
 
-from serve_helpers import start_server, stop_server
+from serve_helpers import serving
 
 
 @pytest.fixture(scope="module")
 def priority_server(tiny_llama_dir):
     # One request at a time: whoever the scheduler admits next runs alone until it ends.
-    srv = start_server(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "1024",
+    yield from serving(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "1024",
                        "--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "1",
                        "--scheduling-policy", "priority")
-    try:
-        yield srv
-    finally:
-        if srv.proc.poll() is None:
-            code, left = stop_server(srv)
-            assert not left
 
 
 def body(prompt_base: int, max_tokens: int, priority: object, stream: bool = True) -> dict:
