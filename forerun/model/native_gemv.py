@@ -17,7 +17,6 @@ from forerun.model.compact_weights import CompactWeight
 from forerun.model.linear_kernels import LinearFn
 
 
-
 class CompactGemv:
     """Wraps the C kernel; `linear` answers None where the kernel cannot run a weight."""
 
