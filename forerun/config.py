@@ -111,7 +111,7 @@ class EngineConfig:
     distributed_executor_backend: ExecutorBackend | None = None
     runner: Runner = "generate"
     num_threads: int | None = None  # torch intra-op threads of the worker; None: all cores
-    linear_kernel: str = "auto"  # CPU matmuls: auto (measured), aten (F.linear) or mkldnn (prepacked)
+    linear_kernel: str = "auto"  # CPU matmuls: auto (measured), aten (F.linear), mkldnn (prepacked) or native (C)
     native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
     gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read compact weights; None: measured
     trace: bool = False  # record the step timeline
@@ -152,8 +152,8 @@ class EngineConfig:
         if self.gemv_max_rows is not None and (not isinstance(self.gemv_max_rows, int)
                                                or isinstance(self.gemv_max_rows, bool) or self.gemv_max_rows < 0):
             raise ValueError(f"gemv_max_rows: expected a non-negative integer or None, got {self.gemv_max_rows!r}")
-        if self.linear_kernel not in ("auto", "aten", "mkldnn"):
-            raise ValueError(f"linear_kernel: expected auto, aten or mkldnn, got {self.linear_kernel!r}")
+        if self.linear_kernel not in ("auto", "aten", "mkldnn", "native"):
+            raise ValueError(f"linear_kernel: expected auto, aten, mkldnn or native, got {self.linear_kernel!r}")
         validate_policy(self.prefill_decode_policy, self.split_interleave_steps)
         validate_scheduling_policy(self.scheduling_policy)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)

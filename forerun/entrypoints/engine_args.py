@@ -51,11 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    choices=["uni", "mp", "ray", "external_launcher"], help="how ranks are launched")
     g.add_argument("--runner", default=None, choices=["generate", "pooling"], help="model runner kind")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads of each worker")
-    g.add_argument("--linear-kernel", default=None, choices=["auto", "aten", "mkldnn"],
-                   help="CPU matmul kernel (default: auto, the fastest measured on this machine)")
+    g.add_argument("--linear-kernel", default=None, choices=["auto", "aten", "mkldnn", "native"],
+                   help="CPU matmul kernel: F.linear, oneDNN prepacked, or forerun's C GEMM (default: auto, "
+                        "the fastest measured on this machine)")
     g.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: forerun's C kernels, built at first use (decode attention, fused norm and "
-                        "activation); default: on when they build, --no-native-kernels for stock torch ops")
+                        "activation, GEMM); default: on when they build, --no-native-kernels for stock torch ops")
     g.add_argument("--speculative-config", default=None,
                    help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from forerun.model.linear_kernels import LinearFn, make_linear, split_by_rows
 from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemm import PackedGemm
 from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
@@ -116,13 +117,13 @@ class PackableLinear(nn.Module):
     _matmul: LinearFn | None = None
 
     def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
-                   gemv: CompactGemv | None = None, gemv_rows: int = 0) -> bool:
-        """Use `kernel` from now on, and `gemv` for inputs of at most `gemv_rows` rows over a compact form
+                   gemv: CompactGemv | None = None, gemv_rows: int = 0, gemm: PackedGemm | None = None) -> bool:
+        """Use `kernel` (with `gemm` for 'native') from now on, and `gemv` for inputs of at most `gemv_rows` rows over a compact form
         of this weight (`compact`, else bf16 where that is exact); answers whether it can. Without
         `keep_weight` a packed layer frees its dense weight (the packed copy is all it reads)."""
         bias = getattr(self, "bias", None) if with_bias else None
         weight = self.weight.detach()
-        large = None if kernel == "aten" else make_linear(weight, bias, kernel, batch_hint)
+        large = None if kernel == "aten" else make_linear(weight, bias, kernel, batch_hint, gemm)
         small = None
         if gemv is not None and gemv_rows > 0:
             small = gemv.linear(self.compact or CompactWeight.bf16_of(weight), bias)
@@ -198,10 +199,10 @@ class RowParallelLinear(PackableLinear):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
-                   gemv: CompactGemv | None = None, gemv_rows: int = 0) -> bool:
+                   gemv: CompactGemv | None = None, gemv_rows: int = 0, gemm: PackedGemm | None = None) -> bool:
         # With several ranks the bias is added once, after the all-reduce.
         return super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1, keep_weight=keep_weight,
-                                  gemv=gemv, gemv_rows=gemv_rows)
+                                  gemv=gemv, gemv_rows=gemv_rows, gemm=gemm)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:

@@ -13,6 +13,7 @@ from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSD
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemm import PackedGemm
 from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import PPStage, TPGroup
@@ -249,8 +250,8 @@ class LlamaForCausalLM(nn.Module):
         return m.norm.add_forward(hidden, residual)[0]
 
     def use_linear_kernel(self, kernel: str, batch_hint: int, gemv: CompactGemv | None = None,
-                          gemv_rows: int = 0) -> tuple[int, int]:
-        """Switch every matmul to `kernel` (see forerun.model.linear_kernels), and inputs of at most
+                          gemv_rows: int = 0, gemm: PackedGemm | None = None) -> tuple[int, int]:
+        """Switch every matmul to `kernel` (see forerun.model.linear_kernels; `gemm` runs 'native'), and inputs of at most
         `gemv_rows` rows to `gemv` where it reads the weight exactly; weights must be loaded.
         Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's.
         Returns (matmuls on `gemv`, all matmuls)."""
@@ -258,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 tied = module is self.lm_head and self.args.tie_word_embeddings
-                on_gemv += module.use_kernel(kernel, batch_hint, keep_weight=tied, gemv=gemv, gemv_rows=gemv_rows)
+                on_gemv += module.use_kernel(kernel, batch_hint, keep_weight=tied, gemv=gemv, gemv_rows=gemv_rows,
+                                             gemm=gemm)
                 total += 1
         return on_gemv, total
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from forerun.model.attention import AttentionMetadata, TorchSDPABackend
+from forerun.model.native_build import profiled
 
 MAX_GROUP = 16  # query heads per KV head the kernel's stack buffer holds
 
@@ -36,10 +37,11 @@ class NativeDecodeBackend(TorchSDPABackend):
             return super()._decode(q, kv_cache, meta, scale, window)
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         out = q.new_empty(rows, heads * dim)
-        failed = kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), meta.decode_blocks.data_ptr(),
-                        meta.decode_len // block_size, meta.decode_seq_lens.data_ptr(), out.data_ptr(),
-                        rows, heads, kv_heads, dim, num_blocks, block_size, window or 0, scale,
-                        torch.get_num_threads(), meta.decode_len)
+        with profiled("forerun::decode_attention"):
+            failed = kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), meta.decode_blocks.data_ptr(),
+                            meta.decode_len // block_size, meta.decode_seq_lens.data_ptr(), out.data_ptr(),
+                            rows, heads, kv_heads, dim, num_blocks, block_size, window or 0, scale,
+                            torch.get_num_threads(), meta.decode_len)
         if failed:
             raise RuntimeError(f"decode attention: the C kernel failed (code {failed})")
         return out

@@ -13,7 +13,10 @@ import logging
 import os
 import shutil
 import subprocess
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+
+import torch
 
 from forerun.platform import cpu_signature
 
@@ -36,7 +39,15 @@ SIGNATURES = {
 # Kernels with an fp32 variant only.
 SIGNATURES_F32 = {
     "gemv_compact": (None, [_PTR, _PTR, _I64, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+    "pack_weight": (None, [_PTR, _I64, _I64, _PTR]),
+    "gemm_packed": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]),
 }
+
+
+def profiled(name: str) -> AbstractContextManager:
+    """A label for one C kernel call in torch's profiler, which does not see ctypes calls; a no-op
+    (a flag read) when no profiler runs on this thread."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def load_native_library(cache_root: Path) -> ctypes.CDLL | None:

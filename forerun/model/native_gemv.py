@@ -15,6 +15,7 @@ from torch import Tensor
 
 from forerun.model.compact_weights import CompactWeight
 from forerun.model.linear_kernels import LinearFn
+from forerun.model.native_build import profiled
 
 
 class CompactGemv:
@@ -36,7 +37,8 @@ class CompactGemv:
         flat = x.reshape(-1, weight.k).to(torch.float32).contiguous()
         n = weight.data.shape[0]
         y = flat.new_empty(flat.shape[0], n)
-        self.fn(flat.data_ptr(), weight.data.data_ptr(), weight.data.shape[1], weight.code,
-                None if bias is None else bias.data_ptr(), y.data_ptr(), flat.shape[0], weight.k, n,
-                torch.get_num_threads())
+        with profiled("forerun::linear_compact"):
+            self.fn(flat.data_ptr(), weight.data.data_ptr(), weight.data.shape[1], weight.code,
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), flat.shape[0], weight.k, n,
+                    torch.get_num_threads())
         return y.view(*lead, n)

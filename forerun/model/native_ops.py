@@ -12,6 +12,8 @@ import ctypes
 import torch
 from torch import Tensor
 
+from forerun.model.native_build import profiled
+
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 # Below this many elements a pass takes a microsecond or less: one thread does it. Waking the
 # others costs more, and on a busy machine a parallel region waits for its slowest thread's
@@ -44,8 +46,9 @@ class NativeOps:
         out = torch.empty_like(x)
         res_out = torch.empty_like(x) if residual is not None else x
         fn = getattr(self.lib, "add_rms_norm" + _SUFFIX[x.dtype])
-        fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-           res_out.data_ptr(), x.shape[0], x.shape[1], eps, threads_for(x.numel()))
+        with profiled("forerun::add_rms_norm"):
+            fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+               res_out.data_ptr(), x.shape[0], x.shape[1], eps, threads_for(x.numel()))
         return out, res_out
 
     def silu_mul(self, gate_up: Tensor) -> Tensor | None:
@@ -55,5 +58,6 @@ class NativeOps:
         inter = gate_up.shape[1] // 2
         out = gate_up.new_empty(gate_up.shape[0], inter)
         fn = getattr(self.lib, "silu_mul" + _SUFFIX[gate_up.dtype])
-        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, threads_for(gate_up.numel()))
+        with profiled("forerun::silu_mul"):
+            fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, threads_for(gate_up.numel()))
         return out

@@ -20,6 +20,7 @@ import torch
 
 from forerun.model.linear_kernels import LinearFn, available_kernels, make_linear
 from forerun.model.compact_weights import CompactWeight
+from forerun.model.native_gemm import PackedGemm
 from forerun.model.native_gemv import CompactGemv
 from forerun.platform import cpu_signature
 
@@ -46,7 +47,7 @@ class KernelChoice:
 
 
 def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tuple[torch.dtype, str]],
-            rounds: int = 5) -> dict[str, float]:
+            rounds: int = 5, gemm: PackedGemm | None = None) -> dict[str, float]:
     """Achieved GFLOPS of one decode step's matmuls ((in, out, count) at `batch` rows) per candidate.
 
     Candidates are timed round-robin, each keeping its best round (`best_rounds`), so the ranking
@@ -60,7 +61,7 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
             for k, n, count in shapes:
                 # Scaled like real weights: huge values would hit slow denormal/overflow paths.
                 w = (torch.rand(n, k) - 0.5).mul_(0.1).to(dtype)
-                fn = make_linear(w, None, kernel, batch)
+                fn = make_linear(w, None, kernel, batch, gemm)
                 x = torch.rand(batch, k).to(dtype)
                 fn(x)  # first call: allocation and kernel selection
                 layers.append((fn, x, count))
@@ -86,28 +87,32 @@ def best_rounds(candidates: list[list[tuple[LinearFn, torch.Tensor, float]]], ro
 
 
 def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[torch.dtype],
-                   kernels: list[str] | None, cache_file: Path | None) -> KernelChoice:
+                   kernels: list[str] | None, cache_file: Path | None,
+                   gemm: PackedGemm | None = None) -> KernelChoice:
     """The fastest (dtype, kernel) for these matmuls, from `cache_file` when this machine measured it.
 
-    `kernels` None means every kernel this CPU has; a single candidate is returned unmeasured.
+    `kernels` None means every kernel this CPU has (`native` when `gemm`, forerun's C GEMM, is
+    given); a single candidate is returned unmeasured.
     """
     device = torch.device("cpu")
-    candidates = [(d, k) for d in dtypes for k in available_kernels(d, device) if kernels is None or k in kernels]
+    candidates = [(d, k) for d in dtypes for k in available_kernels(d, device, gemm) if kernels is None or k in kernels]
     if not candidates:
         names = ", ".join(DTYPE_NAMES[d] for d in dtypes)
         raise ValueError(f"linear_kernel: {kernels} cannot run {names} on this CPU "
-                         f"(available: {available_kernels(dtypes[0], device)})")
+                         f"(available: {available_kernels(dtypes[0], device, gemm)})")
     if len(candidates) == 1:
         return KernelChoice(DTYPE_NAMES[candidates[0][0]], candidates[0][1], {})
+    # The C kernels' build names their sources: a changed GEMM is timed again.
+    build = gemm.build if gemm is not None and any(k == "native" for _, k in candidates) else None
     key = json.dumps([cpu_signature(), torch.__version__, torch.get_num_threads(), batch, shapes,
-                      [(DTYPE_NAMES[d], k) for d, k in candidates]])
+                      [(DTYPE_NAMES[d], k) for d, k in candidates], *([build] if build else [])])
     cache = _read(cache_file)
     cached = _fresh(cache.get(key))
     if cached is not None:
         return KernelChoice(**cached)
     t0 = time.perf_counter()
     busy = machine_busy()
-    gflops = measure(shapes, batch, candidates)
+    gflops = measure(shapes, batch, candidates, gemm=gemm)
     busy = busy or machine_busy()
     best = max(gflops, key=lambda name: gflops[name])
     dtype_name, kernel = best.split("/")
@@ -126,7 +131,7 @@ PROBE_WEIGHT_BYTES = 64 << 20
 
 
 def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
-                 rounds: int = 3) -> dict[int, float]:
+                 rounds: int = 3, gemm: PackedGemm | None = None) -> dict[int, float]:
     """Speed-up of the compact-weight GEMV (weights in `fmt`) over fp32 `kernel` on one step's
     matmuls, per row count, up to the first row count where it loses (timed alternately, best round)."""
     total = sum(4 * k * n * count for k, n, count in shapes)
@@ -141,7 +146,7 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
                 small = gemv.linear(compact, None)
                 if small is None:
                     return {}  # a shape the kernel does not take: the model keeps its fp32 matmuls
-                layers.append((k, count / copies, small, make_linear(compact.expand(), None, kernel, 64)))
+                layers.append((k, count / copies, small, make_linear(compact.expand(), None, kernel, 64, gemm)))
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
             xs = {k: torch.rand(rows, k) for k, _, _ in shapes}
             compact_s, fp32_s = best_rounds([[(small, xs[k], weight) for k, weight, small, _ in layers],
@@ -153,9 +158,9 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
 
 
 def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
-                     cache_file: Path | None) -> tuple[int, dict[int, float]]:
-    """The most rows up to which the compact-weight GEMV beats fp32 `kernel` at every measured row
-    count (0: never), and the measured speed-ups; cached like `choose_kernels`."""
+                     cache_file: Path | None, gemm: PackedGemm | None = None) -> tuple[int, dict[int, float]]:
+    """The most rows up to which the compact-weight GEMV beats fp32 `kernel` (`gemm` for 'native') at
+    every measured row count (0: never), and the measured speed-ups; cached like `choose_kernels`."""
     key = json.dumps(["gemv_compact", gemv.build, cpu_signature(), torch.__version__, torch.get_num_threads(),
                       max_rows, shapes, kernel, fmt])
     cache = _read(cache_file)
@@ -164,7 +169,7 @@ def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: Comp
         speedup = {int(r): float(v) for r, v in cached["speedup"].items()}
     else:
         busy = machine_busy()
-        speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows)
+        speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows, gemm=gemm)
         busy = busy or machine_busy()
         if cache_file is not None:
             cache[key] = {"speedup": speedup, BUSY: busy}

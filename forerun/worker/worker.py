@@ -21,6 +21,7 @@ from forerun.model.pooling import PoolingConfig
 from forerun.model.model_source import cache_dir
 from forerun.model.native_attention import NativeDecodeBackend
 from forerun.model.native_build import load_native_library
+from forerun.model.native_gemm import PackedGemm
 from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.registry import load_model, model_matmul_shapes
@@ -92,6 +93,7 @@ class Worker:
         self.tp = TPGroup(tp_rank, tp_size, self._tp_group(tp_size))
         self.hf_config = json.loads((self.folder / "config.json").read_text())
         self.encoder_only = config.runner == "pooling" and is_encoder_model(self.hf_config)
+        self.gemm: PackedGemm | None = None
         if self.encoder_only:
             if world_size > 1:
                 raise ValueError("tensor_parallel_size: encoder (embedding) models run on one rank")
@@ -99,9 +101,11 @@ class Worker:
             self.kernel_choice = KernelChoice(DTYPE_NAMES[self.dtype], "aten", {})
             self.model = load_bert(self.folder, self.dtype, self.device)
         else:
+            lib = self._native_library()
+            if lib is not None:
+                self.gemm = PackedGemm(lib)
             self.kernel_choice = choice = self._choose_kernels()
             self.dtype = choice.torch_dtype
-            lib = self._native_library()
             self.model = load_model(self.folder, self.dtype, self.device, self.tp,
                                     None if lib is None else NativeDecodeBackend(lib), self.stage, self.pp_size)
             if lib is not None:
@@ -110,7 +114,7 @@ class Worker:
             gemv_rows = self._choose_gemv_rows(choice, gemv)
             if choice.linear_kernel != "aten" or gemv_rows:
                 on_gemv, total = self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch(), gemv,
-                                                              gemv_rows)
+                                                              gemv_rows, self.gemm)
                 if gemv_rows and self.rank == 0:
                     logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
                                 "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
@@ -150,7 +154,7 @@ class Worker:
         if self.rank == 0:
             choice = choose_kernels(model_matmul_shapes(self.hf_config, self.tp.size), self._decode_batch(),
                                     [fixed] if fixed else [torch.float32, torch.bfloat16], kernels,
-                                    cache_dir() / "cpu_probe.json")
+                                    cache_dir() / "cpu_probe.json", self.gemm)
         if self.world_size > 1:  # every rank must run the same dtype, or the collectives mismatch
             box = [choice if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
@@ -173,7 +177,7 @@ class Worker:
             assert gemv is not None and fmt is not None
             rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.tp.size),
                                              choice.linear_kernel, gemv, fmt, self._decode_batch(),
-                                             cache_dir() / "cpu_probe.json")
+                                             cache_dir() / "cpu_probe.json", self.gemm)
             logger.info("%s-weight GEMV vs fp32 %s, speed-up by rows: %s", fmt, choice.linear_kernel,
                         ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())) or "not measured")
         if self.world_size > 1:  # every rank joins, whatever it found locally
@@ -240,7 +244,7 @@ class Worker:
         measured now: the limit one forward step can reach, taken in the same run as the figure it bounds."""
         choice = self.kernel_choice
         shapes = model_matmul_shapes(self.hf_config, self.tp.size)
-        return measure(shapes, self._decode_batch(), [(choice.torch_dtype, choice.linear_kernel)])[
+        return measure(shapes, self._decode_batch(), [(choice.torch_dtype, choice.linear_kernel)], gemm=self.gemm)[
             f"{choice.dtype}/{choice.linear_kernel}"]
 
     def start_profile(self) -> None:
