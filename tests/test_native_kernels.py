@@ -47,6 +47,25 @@ def test_decode_rows_match_stock_attention(native, heads, kv_heads, window, dtyp
     assert (got.float() - want.float()).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("rows", [1, 2, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_and_many_decode_rows_match_stock_attention(native, rows, dtype):
+    # The kernel splits a few rows by (row, KV head) and many rows by row (all heads at once); at
+    # 1 thread and at 4 both splits run.
+    seq_lens = [3 + 7 * i for i in range(rows)]
+    q, k, v, cache, meta = _batch([1] * rows, seq_lens, 9, 3, 16, dtype)
+    want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.25, None)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            got = native.forward(q, k, v, cache.clone(), meta, 0.25, None)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert (got.float() - want.float()).abs().max().item() <= tol
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_rows_of_one_block_next_to_a_longer_row(native):
     # Decode rows needing one block each beside a row needing three: the decode block ids are a
     # one-column slice of the table, which must reach the C kernel as a contiguous buffer.

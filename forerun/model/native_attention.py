@@ -15,13 +15,14 @@ from torch import Tensor
 from forerun.model.attention import AttentionMetadata, TorchSDPABackend
 from forerun.model.native_build import profiled
 
-MAX_GROUP = 16  # query heads per KV head the kernel's stack buffer holds
+MAX_GROUP = 16  # query heads per KV head the kernel's stack buffers hold
+MAX_HEADS = 256  # query heads in all
 
 
 class NativeDecodeBackend(TorchSDPABackend):
     """Stock-PyTorch attention for prefill rows; decode rows go to the C kernel when it can run them
     (CPU, fp32 or bf16, contiguous cache, head_dim a multiple of 8, at most MAX_GROUP query heads
-    per KV head); anything else falls back to the stock path."""
+    per KV head and MAX_HEADS in all); anything else falls back to the stock path."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -33,7 +34,8 @@ class NativeDecodeBackend(TorchSDPABackend):
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
         kernel = self.kernels.get(q.dtype)
         if (kernel is None or q.device.type != "cpu" or kv_cache.dtype != q.dtype or not kv_cache.is_contiguous()
-                or heads // kv_heads > MAX_GROUP or dim % 8 or q.stride(2) != 1 or q.stride(1) != dim):
+                or heads // kv_heads > MAX_GROUP or heads > MAX_HEADS or dim % 8 or q.stride(2) != 1
+                or q.stride(1) != dim):
             return super()._decode(q, kv_cache, meta, scale, window)
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         out = q.new_empty(rows, heads * dim)

@@ -3,13 +3,19 @@
  *
  * Layouts: q [B, H, D] with rows q_stride apart; out [B, H, D] contiguous; cache [2, NB, BS, KVH, D]
  * (0 = K, 1 = V); tables [B, table_stride] block ids; lens [B] context lengths (the query is at
- * position len - 1). D must be a multiple of 8. Work items are (sequence, kv head) pairs spread over
- * the caller's OpenMP threads: the process already runs torch's libgomp, which this library binds
- * to by soname, so both share one thread pool.
+ * position len - 1). D must be a multiple of 8. Work items are spread over the caller's OpenMP
+ * threads: the process already runs torch's libgomp, which this library binds to by soname, so both
+ * share one thread pool.
+ *
+ * Work items: with at least two sequences per thread an item is a whole sequence, all its KV heads:
+ * a position's K (then V) values of every head lie side by side in the cache, so the item reads them
+ * as one contiguous run, which the memory system streams at about 1.5x the rate it serves the
+ * every-other-256-bytes pattern of one head at a time (measured at 64 sequences of 256 tokens). With
+ * fewer sequences (one request decoding) an item is one (sequence, KV head), so every thread works.
  *
  * GCC vector extensions (8 floats) keep it portable: -march=native lowers them to AVX2/AVX-512 on
- * x86 and NEON on ARM. Each K row is loaded once and multiplied into every query head of its group,
- * which gives the FMA units independent chains instead of one long dependent reduction.
+ * x86 and NEON on ARM. The group size (query heads per KV head) is a compile-time constant in the
+ * inner loops for the common sizes, so their accumulators stay in registers.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,96 +25,132 @@
 #include "vec.h"
 
 #define MAX_GROUP 16
-/* Rows are read in block order but each is a few cache lines far from the last: fetch PF rows ahead. */
-#define PF 6
+#define MAX_HEADS 256
+/* Positions ahead to fetch: the rows are a few cache lines each and not always adjacent (blocks). */
+#define PF 8
+#define INLINE static inline __attribute__((always_inline))
 
-/* One (sequence, kv head): scores for every position and query head, softmax, weighted V sum. */
-#define ATTEND_ONE(T, LOAD8, STORE)                                                                \
-    {                                                                                              \
-        const int64_t b = item / KVH, h = item % KVH, len = lens[b];                               \
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;                     \
-        const int64_t n = len - start;                                                             \
-        for (int64_t g = 0; g < G; g++)                                                            \
-            for (int64_t d = 0; d < D; d += 8) {                                                   \
-                v8f x = LOAD8(&q[b * q_stride + (h * G + g) * D + d]) * scale;                     \
-                memcpy(&qf[g * D + d], &x, sizeof x);                                              \
-            }                                                                                      \
-        for (int64_t i = 0; i < n; i++) {                                                          \
-            const int64_t p = start + i;                                                           \
-            slots[i] = ((tables[b * table_stride + p / BS] * BS + p % BS) * KVH + h) * D;          \
-        }                                                                                          \
-        for (int64_t i = 0; i < n; i++) {                                                          \
-            const T *k = K + slots[i];                                                             \
-            if (i + PF < n) prefetch_row(K + slots[i + PF], D * (int64_t)sizeof(T));              \
-            v8f a[MAX_GROUP];                                                                      \
-            for (int64_t g = 0; g < G; g++) a[g] = (v8f){0};                                       \
-            for (int64_t d = 0; d < D; d += 8) {                                                   \
-                const v8f kv = LOAD8(k + d);                                                       \
-                for (int64_t g = 0; g < G; g++) a[g] += load8_f32(&qf[g * D + d]) * kv;            \
-            }                                                                                      \
-            for (int64_t g = 0; g < G; g++) scores[g * max_len + i] = hsum8(a[g]);                 \
-        }                                                                                          \
-        float inv_sum[MAX_GROUP];                                                                  \
-        for (int64_t g = 0; g < G; g++) {                                                          \
-            float *sg = scores + g * max_len, mx = -INFINITY, sum = 0.f;                           \
-            for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;                          \
-            int64_t i = 0;                                                                         \
-            v8f vsum = splat8(0.f);                                                                \
-            for (; i + 8 <= n; i += 8) {                                                           \
-                const v8f e = exp8(load8_f32(sg + i) - mx);                                        \
-                store8_f32(sg + i, e);                                                             \
-                vsum += e;                                                                         \
-            }                                                                                      \
-            sum = hsum8(vsum);                                                                     \
-            for (; i < n; i++) { sg[i] = expf(sg[i] - mx); sum += sg[i]; }                         \
-            inv_sum[g] = 1.f / sum;                                                                \
-        }                                                                                          \
-        memset(acc, 0, sizeof(float) * (size_t)(G * D));                                           \
-        for (int64_t i = 0; i < n; i++) {                                                          \
-            const T *v = V + slots[i];                                                             \
-            if (i + PF < n) prefetch_row(V + slots[i + PF], D * (int64_t)sizeof(T));              \
-            for (int64_t d = 0; d < D; d += 8) {                                                   \
-                const v8f vv = LOAD8(v + d);                                                       \
-                for (int64_t g = 0; g < G; g++) {                                                  \
-                    v8f x = load8_f32(&acc[g * D + d]) + scores[g * max_len + i] * vv;             \
-                    memcpy(&acc[g * D + d], &x, sizeof x);                                         \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        for (int64_t g = 0; g < G; g++)                                                            \
-            for (int64_t d = 0; d < D; d++)                                                        \
-                STORE(&out[((b * H) + h * G + g) * D + d], acc[g * D + d] * inv_sum[g]);           \
+/* Calls CALL(g) with g a literal for the usual group sizes (unrolled, register accumulators). */
+#define BY_GROUP(G, CALL)       \
+    switch (G) {                \
+        case 1: CALL(1); break; \
+        case 2: CALL(2); break; \
+        case 4: CALL(4); break; \
+        case 8: CALL(8); break; \
+        default: CALL(G);       \
     }
 
-#define DECODE_ATTENTION(NAME, T, LOAD8, STORE)                                                    \
-    int NAME(const T *q, int64_t q_stride, const T *cache, const int64_t *tables,                  \
-             int64_t table_stride, const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, \
-             int64_t D, int64_t NB, int64_t BS, int64_t window, float scale, int nthreads,         \
-             int64_t max_len) {                                                                    \
-        const int64_t G = H / KVH;                                                                 \
-        if (G > MAX_GROUP || D % 8) return 2;                                                      \
-        const T *K = cache;                                                                        \
-        const T *V = cache + NB * BS * KVH * D;                                                    \
-        int failed = 0;                                                                            \
-        _Pragma("omp parallel num_threads(nthreads)") {                                            \
-            float *scores = malloc(sizeof(float) * (size_t)(G * max_len));                         \
-            float *qf = malloc(sizeof(float) * (size_t)(G * D));                                   \
-            float *acc = malloc(sizeof(float) * (size_t)(G * D));                                  \
-            int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_len);                            \
-            const int ok = scores && qf && acc && slots;                                           \
-            if (!ok) {                                                                             \
-                _Pragma("omp atomic write") failed = 1;                                            \
-            }                                                                                      \
-            _Pragma("omp for schedule(static)") for (int64_t item = 0; item < B * KVH; item++) {   \
-                if (ok) ATTEND_ONE(T, LOAD8, STORE)                                                \
-            }                                                                                      \
-            free(scores);                                                                          \
-            free(qf);                                                                              \
-            free(acc);                                                                             \
-            free(slots);                                                                           \
-        }                                                                                          \
-        return failed;                                                                             \
+#define DEFINE_ATTENTION(SUFFIX, T, LOAD8, STORE)                                                        \
+    /* scores[(h * G + g) * max_len + i] = q[h, g] . K[row i, head h] for heads h0..h1 (qf is pre-scaled). */ \
+    INLINE void qk_##SUFFIX(const int G, const float *qf, const T *K, const int64_t *rows, int64_t n,        \
+                            int64_t h0, int64_t h1, int64_t D, float *scores, int64_t max_len) {            \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            if (i + PF < n) prefetch_row(K + rows[i + PF] + h0 * D, (h1 - h0) * D * (int64_t)sizeof(T)); \
+            for (int64_t h = h0; h < h1; h++) {                                                          \
+                const T *k = K + rows[i] + h * D;                                                        \
+                const float *qh = qf + (h - h0) * G * D;                                                 \
+                v8f a[MAX_GROUP];                                                                        \
+                for (int g = 0; g < G; g++) a[g] = splat8(0.f);                                          \
+                for (int64_t d = 0; d < D; d += 8) {                                                     \
+                    const v8f kv = LOAD8(k + d);                                                         \
+                    for (int g = 0; g < G; g++) a[g] += load8_f32(qh + g * D + d) * kv;                  \
+                }                                                                                        \
+                for (int g = 0; g < G; g++) scores[((h - h0) * G + g) * max_len + i] = hsum8(a[g]);      \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    /* acc[(h * G + g) * D + d] += p[h, g, i] * V[row i, head h, d] over all rows. */                     \
+    INLINE void pv_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,                \
+                            const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,               \
+                            float *acc) {                                                                \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            if (i + PF < n) prefetch_row(V + rows[i + PF] + h0 * D, (h1 - h0) * D * (int64_t)sizeof(T)); \
+            for (int64_t h = h0; h < h1; h++) {                                                          \
+                const T *v = V + rows[i] + h * D;                                                        \
+                float s[MAX_GROUP];                                                                      \
+                for (int g = 0; g < G; g++) s[g] = scores[((h - h0) * G + g) * max_len + i];             \
+                for (int64_t d = 0; d < D; d += 8) {                                                     \
+                    const v8f vv = LOAD8(v + d);                                                         \
+                    for (int g = 0; g < G; g++) {                                                        \
+                        float *ap = acc + ((h - h0) * G + g) * D + d;                                    \
+                        store8_f32(ap, load8_f32(ap) + s[g] * vv);                                       \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    /* One item: sequence b, KV heads h0..h1. */                                                         \
+    static void attend_##SUFFIX(const T *q, int64_t q_stride, const T *K, const T *V, const int64_t *tables, \
+                                int64_t table_stride, const int64_t *lens, T *out, int64_t b, int64_t h0,   \
+                                int64_t h1, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t window,  \
+                                float scale, int64_t max_len, float *scores, float *qf, float *acc,       \
+                                int64_t *rows) {                                                          \
+        const int64_t G = H / KVH, RW = KVH * D, heads = (h1 - h0) * G, len = lens[b];                  \
+        const int64_t start = (window > 0 && len > window) ? len - window : 0, n = len - start;          \
+        const T *qb = q + b * q_stride + h0 * G * D;                                                     \
+        for (int64_t x = 0; x < heads * D; x += 8) store8_f32(&qf[x], LOAD8(qb + x) * scale);            \
+        for (int64_t i = 0, p = start; i < n; i++, p++)                                                  \
+            rows[i] = (tables[b * table_stride + p / BS] * BS + p % BS) * RW;                            \
+        float inv_sum[MAX_HEADS];                                                                        \
+        BY_GROUP(G, QK_##SUFFIX)                                                                         \
+        for (int64_t j = 0; j < heads; j++) {                                                            \
+            float *sg = scores + j * max_len, mx = -INFINITY;                                            \
+            for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;                                \
+            int64_t i = 0;                                                                               \
+            v8f vsum = splat8(0.f);                                                                      \
+            for (; i + 8 <= n; i += 8) {                                                                 \
+                const v8f e = exp8(load8_f32(sg + i) - mx);                                              \
+                store8_f32(sg + i, e);                                                                   \
+                vsum += e;                                                                               \
+            }                                                                                            \
+            float sum = hsum8(vsum);                                                                     \
+            for (; i < n; i++) { sg[i] = expf(sg[i] - mx); sum += sg[i]; }                                \
+            inv_sum[j] = 1.f / sum;                                                                      \
+        }                                                                                                \
+        memset(acc, 0, sizeof(float) * (size_t)(heads * D));                                             \
+        BY_GROUP(G, PV_##SUFFIX)                                                                         \
+        T *ob = out + (b * H + h0 * G) * D;                                                              \
+        for (int64_t j = 0; j < heads; j++)                                                              \
+            for (int64_t d = 0; d < D; d++) STORE(&ob[j * D + d], acc[j * D + d] * inv_sum[j]);          \
+    }                                                                                                    \
+    int decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *cache, const int64_t *tables,      \
+                                  int64_t table_stride, const int64_t *lens, T *out, int64_t B, int64_t H,  \
+                                  int64_t KVH, int64_t D, int64_t NB, int64_t BS, int64_t window,         \
+                                  float scale, int nthreads, int64_t max_len) {                            \
+        const int64_t G = H / KVH;                                                                       \
+        if (G > MAX_GROUP || H > MAX_HEADS || D % 8) return 2;                                           \
+        const T *K = cache;                                                                              \
+        const T *V = cache + NB * BS * KVH * D;                                                          \
+        const int whole = B >= 2 * (int64_t)nthreads; /* items: sequences, else (sequence, KV head) */  \
+        const int64_t items = whole ? B : B * KVH, span = whole ? KVH : 1;                               \
+        int failed = 0;                                                                                  \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                  \
+            float *scores = malloc(sizeof(float) * (size_t)(span * G * max_len));                        \
+            float *qf = malloc(sizeof(float) * (size_t)(span * G * D));                                  \
+            float *acc = malloc(sizeof(float) * (size_t)(span * G * D));                                 \
+            int64_t *rows = malloc(sizeof(int64_t) * (size_t)max_len);                                   \
+            const int ok = scores && qf && acc && rows;                                                  \
+            if (!ok) {                                                                                   \
+                _Pragma("omp atomic write") failed = 1;                                                  \
+            }                                                                                            \
+            _Pragma("omp for schedule(static)") for (int64_t item = 0; item < items; item++) {           \
+                const int64_t b = whole ? item : item / KVH, h0 = whole ? 0 : item % KVH;                \
+                if (ok)                                                                                  \
+                    attend_##SUFFIX(q, q_stride, K, V, tables, table_stride, lens, out, b, h0, h0 + span, H, \
+                                    KVH, D, BS, window, scale, max_len, scores, qf, acc, rows);          \
+            }                                                                                            \
+            free(scores);                                                                                \
+            free(qf);                                                                                    \
+            free(acc);                                                                                   \
+            free(rows);                                                                                  \
+        }                                                                                                \
+        return failed;                                                                                   \
     }
 
-DECODE_ATTENTION(decode_attention_f32, float, load8_f32, st_f32)
-DECODE_ATTENTION(decode_attention_bf16, uint16_t, load8_bf16, st_bf16)
+#define QK_f32(GG) qk_f32(GG, qf, K, rows, n, h0, h1, D, scores, max_len)
+#define PV_f32(GG) pv_f32(GG, scores, max_len, V, rows, n, h0, h1, D, acc)
+#define QK_bf16(GG) qk_bf16(GG, qf, K, rows, n, h0, h1, D, scores, max_len)
+#define PV_bf16(GG) pv_bf16(GG, scores, max_len, V, rows, n, h0, h1, D, acc)
+
+DEFINE_ATTENTION(f32, float, load8_f32, st_f32)
+DEFINE_ATTENTION(bf16, uint16_t, load8_bf16, st_bf16)
