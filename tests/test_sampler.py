@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from forerun.worker.sampler import Sampler
+from forerun.worker.sampler import Sampler, argmax_rows
 from forerun.worker.sampling_metadata import SamplingMetadata
 
 V = 1000
@@ -43,6 +43,20 @@ def test_greedy_equals_argmax_and_ties_go_to_lowest_id() -> None:
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.sampled_token_ids[3].item() == 10
     assert out.sampled_token_ids.dtype == torch.int64 and out.logprobs is None
+
+
+def test_cpu_argmax_agrees_with_torch_on_ties_infinities_and_nans() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(50):
+        x = torch.randint(-3, 3, (6, 40), generator=gen).float()  # many exact ties
+        x[1, 7] = x[1, 20] = float("nan")  # the first NaN wins, as in torch.argmax
+        x[2] = float("-inf")
+        x[3, 4] = x[3, 9] = float("inf")
+        x[4, trial % 40] = float("nan")
+        want = x.argmax(dim=-1)
+        for got in (argmax_rows(x), argmax_rows(x.t().contiguous().t())):  # contiguous and strided
+            assert torch.equal(got, want) and got.dtype == torch.int64
+    assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))
 
 
 def test_temperature_changes_result_and_tiny_temperature_is_greedy() -> None:

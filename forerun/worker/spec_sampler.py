@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from forerun.worker.sampler import Sampler, _gather_logprobs, inverse_cdf, sampling_probs
+from forerun.worker.sampler import Sampler, _gather_logprobs, argmax_rows, inverse_cdf, sampling_probs
 from forerun.worker.sampling_metadata import SamplingMetadata
 
 
@@ -53,7 +53,7 @@ class SpecSampler:
         draft_t = torch.from_numpy(np.where(has_draft, drafts, 0)).to(device)
         has_draft_t = torch.from_numpy(has_draft).to(device)
         greedy_rows = meta.temperature.to(device) == 0
-        argmax = x.argmax(dim=-1)
+        argmax = argmax_rows(x)
 
         u_rec, u_acc = self._uniforms(counts, starts, generators, num_rows, device)
         temperature = torch.where(greedy_rows, torch.ones_like(meta.temperature.to(device)),
