@@ -118,9 +118,10 @@ class PackableLinear(nn.Module):
 
     def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
                    gemv: CompactGemv | None = None, gemv_rows: int = 0, gemm: PackedGemm | None = None) -> bool:
-        """Use `kernel` (with `gemm` for 'native') from now on, and `gemv` for inputs of at most `gemv_rows` rows over a compact form
-        of this weight (`compact`, else bf16 where that is exact); answers whether it can. Without
-        `keep_weight` a packed layer frees its dense weight (the packed copy is all it reads)."""
+        """Use `kernel` (with `gemm` for 'native') from now on, and `gemv` for inputs of at most
+        `gemv_rows` rows over a compact form of this weight (`compact`, else bf16 where that is exact);
+        answers whether it can. Without `keep_weight` a packed layer frees its dense weight (the packed
+        copy is all it reads)."""
         bias = getattr(self, "bias", None) if with_bias else None
         weight = self.weight.detach()
         large = None if kernel == "aten" else make_linear(weight, bias, kernel, batch_hint, gemm)

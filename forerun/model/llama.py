@@ -251,8 +251,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_linear_kernel(self, kernel: str, batch_hint: int, gemv: CompactGemv | None = None,
                           gemv_rows: int = 0, gemm: PackedGemm | None = None) -> tuple[int, int]:
-        """Switch every matmul to `kernel` (see forerun.model.linear_kernels; `gemm` runs 'native'), and inputs of at most
-        `gemv_rows` rows to `gemv` where it reads the weight exactly; weights must be loaded.
+        """Switch every matmul to `kernel` (see forerun.model.linear_kernels; `gemm` runs 'native'), and
+        inputs of at most `gemv_rows` rows to `gemv` where it reads the weight exactly; weights must be loaded.
         Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's.
         Returns (matmuls on `gemv`, all matmuls)."""
         on_gemv = total = 0
