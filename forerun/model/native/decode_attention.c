@@ -30,12 +30,17 @@
 #define PF 8
 #define INLINE static inline __attribute__((always_inline))
 
-/* Calls CALL(g) with g a literal for the usual group sizes (unrolled, register accumulators). */
+/* Calls CALL(g) with g a literal for the usual group sizes (unrolled, register accumulators):
+ * 1 (multi-head), 2-8 (grouped-query models: SmolLM2 3, Llama 4, Qwen2 7, ...). */
 #define BY_GROUP(G, CALL)       \
     switch (G) {                \
         case 1: CALL(1); break; \
         case 2: CALL(2); break; \
+        case 3: CALL(3); break; \
         case 4: CALL(4); break; \
+        case 5: CALL(5); break; \
+        case 6: CALL(6); break; \
+        case 7: CALL(7); break; \
         case 8: CALL(8); break; \
         default: CALL(G);       \
     }
