@@ -33,7 +33,7 @@ def _batch(query_lens, seq_lens, heads, kv_heads, dim, dtype, block_size=4, seed
     return q, k, v, cache, meta
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3), (14, 2), (16, 1)])  # groups 1, 4, 3, 7, 16
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rows_match_stock_attention(native, heads, kv_heads, window, dtype):
