@@ -121,6 +121,25 @@ def test_fused_norm_and_activation_match_torch(native, dtype, rows):
     assert ops.add_rms_norm(x.t(), None, weight[:5], 1e-6) is None
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("head_dim", [64, 10])
+def test_rotary_equals_the_stock_ops_bit_for_bit(native, tokens, head_dim):
+    from forerun.model.layers import RotaryEmbedding
+    from forerun.model.native_ops import NativeOps
+    ops = NativeOps(native.lib)
+    rope = RotaryEmbedding(head_dim, 2048, 10000.0)
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv = 6, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv) * head_dim, generator=gen) * 3
+    cos, sin = rope.cos_sin(torch.randint(0, 2048, (tokens,), generator=gen))
+    qk = qkv[:, : (heads + kv) * head_dim]  # strided rows, as inside the packed projection
+    want = RotaryEmbedding.apply(qk.reshape(tokens, -1, head_dim), cos, sin)
+    got = ops.rotary(qk, cos, sin, head_dim)
+    assert got is not None and got.shape == want.shape and torch.equal(got, want)
+    assert ops.rotary(qk.bfloat16(), cos, sin, head_dim) is None, "bf16 is left to torch"
+    assert ops.rotary(qk[:, 1:], cos, sin, head_dim) is None, "a width that is not whole heads"
+
+
 def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
     from forerun.model import native_build
     cache = tmp_path / "kernels"

@@ -100,7 +100,10 @@ def _windows(cfg: dict[str, Any], family: str, layers: int) -> tuple[int | None,
 
 
 class LlamaAttention(nn.Module):
-    """Packed q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention."""
+    """Packed q/k/v projection, optional per-head q/k RMSNorm (Qwen3), rotary (in C when `native`
+    is set), paged attention."""
+
+    native: NativeOps | None = None
 
     def __init__(self, args: LlamaArgs, tp: TPGroup, backend: AttentionBackend, window: int | None) -> None:
         super().__init__()
@@ -128,8 +131,10 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         else:
-            # q and k share the rotation, so one set of ops rotates both.
-            qk = RotaryEmbedding.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
+            # q and k share the rotation, so one set of ops (or one C pass) rotates both.
+            qk = None if self.native is None else self.native.rotary(qkv[:, :qk_end], cos, sin, self.head_dim)
+            if qk is None:
+                qk = RotaryEmbedding.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out)
@@ -301,9 +306,9 @@ class LlamaForCausalLM(nn.Module):
         return "bf16" if first is not None and CompactWeight.bf16_of(first.weight.detach()) is not None else None
 
     def use_native_ops(self, ops: NativeOps) -> None:
-        """Run norms and the MLP activation through the fused C kernels where they accept the input."""
+        """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaMLP)):
+            if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
                 module.native = ops
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

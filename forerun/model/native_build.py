@@ -41,6 +41,7 @@ SIGNATURES_F32 = {
     "gemv_compact": (None, [_PTR, _PTR, _I64, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "pack_weight": (None, [_PTR, _I64, _I64, _PTR]),
     "gemm_packed": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]),
+    "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),
 }
 
 

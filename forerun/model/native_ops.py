@@ -61,3 +61,20 @@ class NativeOps:
         with profiled("forerun::silu_mul"):
             fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, threads_for(gate_up.numel()))
         return out
+
+    def rotary(self, x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor | None:
+        """x [T, heads * head_dim] (rows may be strided, e.g. q and k inside the packed projection)
+        rotated by per-token cos/sin [T, 1, head_dim] (forerun.model.layers.RotaryEmbedding's factors)
+        -> [T, heads, head_dim]; None where the kernel does not take the input (then use the stock ops)."""
+        tokens, width = x.shape
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or width % head_dim
+                or head_dim % 2 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+                or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)
+                or cos.shape[0] != tokens):
+            return None
+        heads = width // head_dim
+        out = x.new_empty(tokens, heads, head_dim)
+        with profiled("forerun::rotary"):
+            self.lib.rotary_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                                out.data_ptr(), tokens, heads, head_dim, threads_for(x.numel()))
+        return out

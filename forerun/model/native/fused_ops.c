@@ -1,5 +1,6 @@
 /* Fused elementwise steps of a decoder layer, one pass over memory each instead of four or five
- * separate torch ops (and their temporaries): residual add + RMSNorm, and SiLU(gate) * up.
+ * separate torch ops (and their temporaries): residual add + RMSNorm, SiLU(gate) * up, and the
+ * rotary embedding of q and k.
  * Rows are spread over the caller's OpenMP threads (torch's libgomp, bound by soname).
  */
 #include <math.h>
@@ -56,3 +57,36 @@ ADD_RMS_NORM(add_rms_norm_f32, float, ld_f32, st_f32)
 ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, ld_bf16, st_bf16)
 SILU_MUL(silu_mul_f32, float, ld_f32, st_f32, load8_f32, store8_f32)
 SILU_MUL(silu_mul_bf16, uint16_t, ld_bf16, st_bf16, load8_bf16, store8_bf16)
+
+/* out[t, h] = x[t, h] * cos[t] + rotate_half(x[t, h]) * sin[t] (the "neox" form), where cos[t] and
+ * sin[t] are table rows of D values (cos repeated, then -sin and sin halves), cos_sin_stride apart;
+ * x rows are x_stride apart (q and k inside the packed q/k/v output), out is [tokens, heads, D].
+ * fp32 only. x * cos is rounded, then swapped * sin is added in one fused multiply-add, exactly as
+ * torch's addcmul(x * cos, swapped, sin) computes it, so the result equals the stock ops' bit for bit:
+ * automatic FMA contraction is turned off here (it could fuse the other product) and only here. */
+#if defined(__clang__)
+#define NO_CONTRACT
+#else
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#endif
+NO_CONTRACT void rotary_f32(const float *x, int64_t x_stride, const float *cos, const float *sin,
+                            int64_t cos_sin_stride, float *out, int64_t tokens, int64_t heads, int64_t D,
+                            int nthreads) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * cos_sin_stride, *s = sin + t * cos_sin_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * x_stride + h * D;
+            float *o = out + (t * heads + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xh[i], b = xh[half + i];
+                o[i] = fmaf(b, s[i], a * c[i]);
+                o[half + i] = fmaf(a, s[half + i], b * c[half + i]);
+            }
+        }
+    }
+}
