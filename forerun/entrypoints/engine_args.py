@@ -56,7 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the fastest measured on this machine)")
     g.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: forerun's C kernels, built at first use (decode attention, fused norm and "
-                        "activation, GEMM); default: on when they build, --no-native-kernels for stock torch ops")
+                        "activation, rotary, GEMM); default: on when they build, --no-native-kernels for "
+                        "stock torch ops")
     g.add_argument("--speculative-config", default=None,
                    help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
