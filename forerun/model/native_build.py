@@ -45,6 +45,12 @@ SIGNATURES_F32 = {
 }
 
 
+def build_name(lib: ctypes.CDLL) -> str:
+    """The library's file name: it carries the digest of its sources and flags, so timings of its
+    kernels cached under it are taken again when a kernel changes."""
+    return Path(getattr(lib, "_name", "") or "").name
+
+
 def profiled(name: str) -> AbstractContextManager:
     """A label for one C kernel call in torch's profiler, which does not see ctypes calls; a no-op
     (a flag read) when no profiler runs on this thread."""

@@ -7,13 +7,12 @@ it on the model's own shapes and keeps it where it is the fastest.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from forerun.model.linear_kernels import LinearFn
-from forerun.model.native_build import profiled
+from forerun.model.native_build import build_name, profiled
 
 PANEL = 16  # output columns per packed panel (NR in gemm_packed.c)
 
@@ -24,7 +23,7 @@ class PackedGemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack = lib.pack_weight_f32
         self._gemm = lib.gemm_packed_f32
-        self.build = Path(getattr(lib, "_name", "") or "").name  # names the sources' digest: keys timings
+        self.build = build_name(lib)
 
     def pack(self, weight: Tensor) -> Tensor:
         """The [n, k] fp32 weight as panels of 16 output columns (zero-padded), one flat tensor."""

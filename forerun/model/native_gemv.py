@@ -8,14 +8,13 @@ form moves 2x (bf16) to 6x (Q4_1) fewer bytes for the same result up to summatio
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from forerun.model.compact_weights import CompactWeight
 from forerun.model.linear_kernels import LinearFn
-from forerun.model.native_build import profiled
+from forerun.model.native_build import build_name, profiled
 
 
 class CompactGemv:
@@ -23,7 +22,7 @@ class CompactGemv:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.gemv_compact_f32
-        self.build = Path(getattr(lib, "_name", "") or "").name  # names the sources' digest: keys timings
+        self.build = build_name(lib)
 
     def linear(self, weight: CompactWeight | None, bias: Tensor | None) -> LinearFn | None:
         """x -> x W^T + b reading `weight`'s compact form, or None for a shape the kernel lacks."""
