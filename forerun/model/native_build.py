@@ -39,6 +39,7 @@ SIGNATURES = {
 # Kernels with an fp32 variant only.
 SIGNATURES_F32 = {
     "gemv_compact": (None, [_PTR, _PTR, _I64, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT]),
+    "gemv_pack": (None, [_PTR, _INT, _I64, _I64, _PTR]),
     "pack_weight": (None, [_PTR, _I64, _I64, _PTR]),
     "gemm_packed": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]),
     "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),

@@ -8,13 +8,39 @@ form moves 2x (bf16) to 6x (Q4_1) fewer bytes for the same result up to summatio
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from forerun.model.compact_weights import CompactWeight
-from forerun.model.linear_kernels import LinearFn
 from forerun.model.native_build import build_name, profiled
+
+
+MAX_BLOCKS = 1024  # the kernel's per-row buffer of scales: k up to 32,768 in the GGUF formats
+
+
+@dataclass(frozen=True)
+class CompactLinear:
+    """x -> x W^T + b over one weight in the kernel's layout; its fields are what the fused decode
+    step (forerun.model.native_decode) hands to C."""
+
+    gemv: CompactGemv
+    packed: Tensor  # uint8 [(n + 3) // 4, 4 * row bytes]
+    code: int  # the format code the kernel knows
+    k: int
+    n: int
+    bias: Tensor | None  # fp32, contiguous
+
+    def __call__(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.k).to(torch.float32).contiguous()
+        y = flat.new_empty(flat.shape[0], self.n)
+        with profiled("forerun::linear_compact"):
+            self.gemv.fn(flat.data_ptr(), self.packed.data_ptr(), self.packed.shape[1], self.code,
+                         None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), flat.shape[0], self.k,
+                         self.n, torch.get_num_threads())
+        return y.view(*lead, self.n)
 
 
 class CompactGemv:
@@ -22,22 +48,21 @@ class CompactGemv:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.gemv_compact_f32
+        self.pack_fn = lib.gemv_pack_f32
         self.build = build_name(lib)
 
-    def linear(self, weight: CompactWeight | None, bias: Tensor | None) -> LinearFn | None:
+    def linear(self, weight: CompactWeight | None, bias: Tensor | None) -> CompactLinear | None:
         """x -> x W^T + b reading `weight`'s compact form, or None for a shape the kernel lacks."""
-        if weight is None or weight.k % (8 if weight.fmt == "bf16" else 32):
+        if weight is None or weight.k % (8 if weight.fmt == "bf16" else 32) or weight.k // 32 > MAX_BLOCKS:
             return None
         b = None if bias is None else bias.detach().float().contiguous()
-        return lambda x: self(x, weight, b)
+        return CompactLinear(self, self.pack(weight), weight.code, weight.k, weight.data.shape[0], b)
 
-    def __call__(self, x: Tensor, weight: CompactWeight, bias: Tensor | None) -> Tensor:
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, weight.k).to(torch.float32).contiguous()
-        n = weight.data.shape[0]
-        y = flat.new_empty(flat.shape[0], n)
-        with profiled("forerun::linear_compact"):
-            self.fn(flat.data_ptr(), weight.data.data_ptr(), weight.data.shape[1], weight.code,
-                    None if bias is None else bias.data_ptr(), y.data_ptr(), flat.shape[0], weight.k, n,
-                    torch.get_num_threads())
-        return y.view(*lead, n)
+    def pack(self, weight: CompactWeight) -> Tensor:
+        """The kernel's own layout of `weight` (groups of 4 rows read front to back; see the C file),
+        made once: the same bytes as the GGUF blocks plus at most 3 zero rows."""
+        data = weight.data.contiguous()
+        n, row_bytes = data.shape
+        packed = torch.zeros((n + 3) // 4, 4 * row_bytes, dtype=torch.uint8)
+        self.pack_fn(data.data_ptr(), weight.code, n, weight.k, packed.data_ptr())
+        return packed

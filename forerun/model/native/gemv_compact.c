@@ -4,16 +4,26 @@
  * Why: at decode batch sizes of one to a few requests a matmul is bound by reading its weights.
  * An fp32 model upcasts bf16 checkpoints at load (2x the bytes) and de-quantizes GGUF files (6x
  * for Q4_1). When the fp32 weights are exactly what the compact form expands to, reading the
- * compact form and expanding each weight row in registers gives the fp32 matmul's result (up to
- * summation order) from a fraction of the bytes. Larger batches are compute-bound: oneDNN keeps them.
+ * compact form and expanding it in registers gives the fp32 matmul's result, up to the order and
+ * grouping of the sums, from a fraction of the bytes. Larger batches are compute-bound: the GEMM
+ * keeps them.
  *
- * Exactness of the expansion (checked again at load against the fp32 weights): fp16 -> fp32 and
- * small integers -> fp32 are exact; d * q needs at most 11 + 8 significant bits, so it is exact
- * too, and Q4_1's d * q + m is rounded once whether or not the compiler fuses it into an FMA.
+ * Arithmetic: a GGUF weight is q * d + m with a small integer q and a block of 32 weights sharing
+ * d and m (Q8_0: m = 0; Q4_0 stores q + 8, so m = -8 d). The block's share of a dot product is
+ * computed as d * sum(q x) + m * sum(x): one multiply-add per weight instead of two, and sum(x) is
+ * taken once per row of x for every weight row.
  *
- * Layout: x [rows, k] fp32; w [n, row_bytes] (one weight row per line, blocks of 32 along k for the
- * GGUF formats); b [n] fp32 or NULL; y [rows, n] fp32. Weight rows are split over the caller's
- * OpenMP threads; each block of a row is expanded in registers and used by up to 4 rows of x at once.
+ * Layout (made once at load by `gemv_pack_f32` from the GGUF blocks): weight rows in groups of 4 (the
+ * last group padded with zero rows), each group read front to back in one pass, which the hardware
+ * prefetcher follows. A group is its 4 x k/32 fp16 scales d (row by row), then (Q4_1) its 4 x k/32
+ * fp16 offsets m, then for each block of 32 the 4 rows' integers of that block: Q8_0 one int8 per
+ * weight; Q4 two weights per byte, reordered so that the 4-byte word i of a block holds weights
+ * 8i .. 8i+7 at bits 0, 4, .., 28 (one broadcast load and one variable shift give eight of them).
+ * bf16: the 4 rows' 32 bf16 weights per block, then the 4 rows' last k % 32 weights (k a multiple
+ * of 8).
+ *
+ * x [rows, k] fp32; w [groups, 4 * row bytes]; b [n] fp32 or NULL; y [rows, n] fp32. Groups are
+ * split over the caller's OpenMP threads; the sums are in a fixed order whatever the thread count.
  */
 #include <stdint.h>
 #include <string.h>
@@ -24,7 +34,7 @@
 #include "vec.h"
 
 enum { FMT_BF16 = 0, FMT_Q8_0 = 1, FMT_Q4_0 = 2, FMT_Q4_1 = 3 };
-
+enum { MAX_BLOCKS = 1024 }; /* k up to 32,768 in the GGUF formats (checked by the caller) */
 
 static inline float fp16_to_f32(const uint8_t *p) {
     uint16_t h;
@@ -50,98 +60,181 @@ static inline float fp16_to_f32(const uint8_t *p) {
     return f;
 }
 
-/* Bytes to floats. GCC's generic vector conversion widens bytes one lane at a time, so x86 gets the
- * widening instructions by name; other CPUs a plain loop. */
+/* n fp16 values to fp32 (exact). */
+static inline void fp16_row(const uint8_t *p, int64_t n, float *out) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+#endif
+    for (; i < n; i++) out[i] = fp16_to_f32(p + 2 * i);
+}
+
+/* sum a_i b_i over n floats, eight lanes at a time. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v8f acc = splat8(0.f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc += load8_f32(a + i) * load8_f32(b + i);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Eight weights of a Q4 row: the 4-byte word at p holds them at bits 0, 4, .., 28. */
+static inline v8f q4x8_f(const uint8_t *p) {
+    uint32_t word;
+    memcpy(&word, p, 4);
+    const v8u shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+    const v8u all = {word, word, word, word, word, word, word, word};
+    return __builtin_convertvector((v8i)((all >> shifts) & 0xF), v8f);
+}
+
+/* Eight int8 weights. GCC's generic conversion widens bytes one lane at a time; x86 gets the
+ * widening instruction by name. */
+static inline v8f s8x8_f(const uint8_t *p) {
 #if defined(__AVX2__)
-/* The 32 nibbles of a Q4 block's 16 bytes: low nibbles are elements 0-15, high ones 16-31. */
-static inline void q4_f(const uint8_t *qs, v8f w[4]) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    w[0] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-    w[2] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
-}
-static inline v8f s8x8_f(const uint8_t *p) {
     return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 #else
-static inline void q4_f(const uint8_t *qs, v8f w[4]) {
-    for (int i = 0; i < 16; i++) {
-        w[i / 8][i % 8] = (float)(qs[i] & 0x0F);
-        w[2 + i / 8][i % 8] = (float)(qs[i] >> 4);
-    }
-}
-static inline v8f s8x8_f(const uint8_t *p) {
     v8f v;
     for (int i = 0; i < 8; i++) v[i] = (float)(int8_t)p[i];
     return v;
-}
 #endif
-
-/* Weights blk*32 .. blk*32+31 of one row, expanded into four vectors of 8. */
-static inline void expand_block(const uint8_t *row, int fmt, int64_t blk, v8f w[4]) {
-    if (fmt == FMT_BF16) {
-        const uint16_t *p = (const uint16_t *)row + blk * 32;
-        for (int j = 0; j < 4; j++) w[j] = load8_bf16(p + 8 * j);
-    } else if (fmt == FMT_Q8_0) { /* fp16 d, 32 x int8: q * d */
-        const uint8_t *p = row + blk * 34;
-        const v8f d = splat8(fp16_to_f32(p));
-        for (int j = 0; j < 4; j++) w[j] = s8x8_f(p + 2 + 8 * j) * d;
-    } else { /* Q4_0: fp16 d, 16 bytes, (q - 8) * d;  Q4_1: fp16 d, fp16 m, 16 bytes, q * d + m.
-              * Element j is the low nibble of byte j, element 16 + j the high nibble. */
-        const int q41 = fmt == FMT_Q4_1;
-        const uint8_t *p = row + blk * (q41 ? 20 : 18);
-        const v8f d = splat8(fp16_to_f32(p));
-        q4_f(p + (q41 ? 4 : 2), w);
-        if (q41) {
-            const v8f m = splat8(fp16_to_f32(p + 2));
-            for (int j = 0; j < 4; j++) w[j] = w[j] * d + m;
-        } else {
-            for (int j = 0; j < 4; j++) w[j] = (w[j] - splat8(8.f)) * d;
-        }
-    }
 }
 
-/* y[r, j] for up to 4 rows r of x and one weight row j: each block is expanded once, in registers,
- * and used by every row. */
-static inline void rows_dot(const float *x, const uint8_t *wrow, int fmt, const float *b, float *y, int64_t m0,
-                            int mr, int64_t k, int64_t n, int64_t j) {
-    v8f acc[4][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = splat8(0.f);
+/* Eight integers (bf16: weights) of a packed block as floats. */
+static inline __attribute__((always_inline)) v8f ints8(const uint8_t *p, int fmt) {
+    return fmt == FMT_BF16 ? load8_bf16((const uint16_t *)p) : fmt == FMT_Q8_0 ? s8x8_f(p) : q4x8_f(p);
+}
+
+/* y[m0 .. m0+MR, j0 .. j0+4) (columns < n only) for MR rows of x and one group of 4 weight rows. Each
+ * block of a weight row is expanded once, in registers, and used by every row of x; the 4 rows give
+ * the core independent chains of multiply-adds. `xs` holds each x row's sums over blocks of 32. */
+static inline __attribute__((always_inline)) void group_rows(const float *x, const float *xs, const uint8_t *g,
+                                                             int fmt, const float *b, float *y, int64_t m0,
+                                                             int MR, int64_t j0, int64_t k, int64_t n) {
     const int64_t blocks = k / 32;
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        v8f w[4];
-        expand_block(wrow, fmt, blk, w);
-        for (int r = 0; r < mr; r++) {
-            const float *xr = x + (m0 + r) * k + blk * 32;
-            acc[r][0] += load8_f32(xr) * w[0] + load8_f32(xr + 16) * w[2];
-            acc[r][1] += load8_f32(xr + 8) * w[1] + load8_f32(xr + 24) * w[3];
+    const int eb = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 32 : 16; /* bytes of one row's block */
+    const int64_t head = fmt == FMT_BF16 ? 0 : (fmt == FMT_Q4_1 ? 16 : 8) * blocks;
+    float d[4 * MAX_BLOCKS], off[2][4] = {{0.f}};
+    if (fmt != FMT_BF16) {
+        fp16_row(g, 4 * blocks, d);
+        float m[4 * MAX_BLOCKS];
+        if (fmt == FMT_Q4_1) fp16_row(g + 8 * blocks, 4 * blocks, m);
+        /* The offsets' share: m * sum(x) per block (Q4_0: m = -8 d). */
+        if (fmt != FMT_Q8_0)
+            for (int r = 0; r < MR; r++)
+                for (int c = 0; c < 4; c++)
+                    off[r][c] = dot(fmt == FMT_Q4_1 ? m + c * blocks : d + c * blocks, xs + (m0 + r) * blocks,
+                                    blocks) * (fmt == FMT_Q4_1 ? 1.f : -8.f);
+    }
+    v8f acc[2][4];
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = splat8(0.f);
+    const uint8_t *q = g + head;
+    for (int64_t blk = 0; blk < blocks; blk++, q += 4 * eb) {
+        v8f xv[2][4];
+        for (int r = 0; r < MR; r++)
+            for (int j = 0; j < 4; j++) xv[r][j] = load8_f32(x + (m0 + r) * k + blk * 32 + 8 * j);
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *p = q + c * eb;
+            const v8f q0 = ints8(p, fmt), q1 = ints8(p + eb / 4, fmt), q2 = ints8(p + eb / 2, fmt),
+                      q3 = ints8(p + 3 * eb / 4, fmt);
+            for (int r = 0; r < MR; r++) {
+                const v8f s = (q0 * xv[r][0] + q1 * xv[r][1]) + (q2 * xv[r][2] + q3 * xv[r][3]);
+                acc[r][c] += fmt == FMT_BF16 ? s : s * splat8(d[c * blocks + blk]);
+            }
         }
     }
-    for (int r = 0; r < mr; r++) {
-        float s = hsum8(acc[r][0] + acc[r][1]);
-        if (fmt == FMT_BF16) /* bf16 rows need only be a multiple of 8 long */
-            for (int64_t i = blocks * 32; i < k; i++) s += x[(m0 + r) * k + i] * ld_bf16((const uint16_t *)wrow + i);
-        y[(m0 + r) * n + j] = s + (b ? b[j] : 0.f);
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < 4 && j0 + c < n; c++) {
+            float s = hsum8(acc[r][c]) + off[r][c];
+            if (fmt == FMT_BF16) { /* the rows' tails past the last whole block */
+                const int64_t tail = k - blocks * 32;
+                const uint16_t *t = (const uint16_t *)q + c * tail;
+                for (int64_t i = 0; i < tail; i++) s += x[(m0 + r) * k + blocks * 32 + i] * ld_bf16(t + i);
+            }
+            y[(m0 + r) * n + j0 + c] = s + (b ? b[j0 + c] : 0.f);
+        }
+}
+
+/* One format's kernel. The format and the number of x rows per pass (1 or 2) are compile-time
+ * constants in each copy, so nothing branches per block; more rows of x are taken in pairs while the
+ * group's weights are still in the core's cache. */
+#define GEMV_FORMAT(FMT)                                                                                 \
+    static void gemv_##FMT(const float *x, const float *xs, const uint8_t *w, int64_t group_bytes,       \
+                           const float *b, float *y, int64_t rows, int64_t k, int64_t n, int nthreads) { \
+        const int64_t groups = (n + 3) / 4;                                                              \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                              \
+        for (int64_t t = 0; t < groups; t++) {                                                           \
+            const uint8_t *g = w + t * group_bytes;                                                      \
+            for (int64_t m0 = 0; m0 < rows; m0 += 2) {                                                   \
+                if (rows - m0 == 1) group_rows(x, xs, g, FMT, b, y, m0, 1, 4 * t, k, n);                  \
+                else group_rows(x, xs, g, FMT, b, y, m0, 2, 4 * t, k, n);                                 \
+            }                                                                                            \
+        }                                                                                                \
+    }
+GEMV_FORMAT(FMT_BF16)
+GEMV_FORMAT(FMT_Q8_0)
+GEMV_FORMAT(FMT_Q4_0)
+GEMV_FORMAT(FMT_Q4_1)
+
+void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int fmt, const float *b, float *y,
+                      int64_t rows, int64_t k, int64_t n, int nthreads) {
+    /* Each x row's sums over blocks of 32 (for the offsets m), on the stack: rows are taken in chunks
+     * that fit, one chunk for any decode batch of a few rows. */
+    enum { SUMS = 4096 };
+    float sums[SUMS];
+    const int64_t blocks = k / 32, chunk = blocks > 0 && SUMS / blocks < rows ? SUMS / blocks : rows;
+    for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+        const int64_t mr = rows - m0 < chunk ? rows - m0 : chunk;
+        const float *xc = x + m0 * k;
+        for (int64_t r = 0; r < mr && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1); r++)
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                v8f s = load8_f32(xc + r * k + blk * 32);
+                for (int j = 1; j < 4; j++) s += load8_f32(xc + r * k + blk * 32 + 8 * j);
+                sums[r * blocks + blk] = hsum8(s);
+            }
+        float *yc = y + m0 * n;
+        switch (fmt) {
+            case FMT_BF16: gemv_FMT_BF16(xc, sums, w, group_bytes, b, yc, mr, k, n, nthreads); break;
+            case FMT_Q8_0: gemv_FMT_Q8_0(xc, sums, w, group_bytes, b, yc, mr, k, n, nthreads); break;
+            case FMT_Q4_0: gemv_FMT_Q4_0(xc, sums, w, group_bytes, b, yc, mr, k, n, nthreads); break;
+            default: gemv_FMT_Q4_1(xc, sums, w, group_bytes, b, yc, mr, k, n, nthreads); break;
+        }
     }
 }
 
-void gemv_compact_f32(const float *x, const uint8_t *w, int64_t row_bytes, int fmt, const float *b, float *y,
-                      int64_t rows, int64_t k, int64_t n, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+/* GGUF blocks (or bf16 rows) [n, row bytes] -> the kernel's groups [(n + 3) / 4, 4 * row bytes] (see the
+ * layout above); dst starts zeroed, so the padding rows of the last group are zero. */
+void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *dst) {
+    const int64_t blocks = k / 32;
+    const int bsize = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20;
+    const int eb = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 32 : 16, head = fmt == FMT_Q4_1 ? 4 : 2;
+    const int64_t row_bytes = fmt == FMT_BF16 ? 2 * k : blocks * bsize;
+    const int64_t qstart = fmt == FMT_BF16 ? 0 : (fmt == FMT_Q4_1 ? 16 : 8) * blocks;
     for (int64_t j = 0; j < n; j++) {
-        const uint8_t *src = w + j * row_bytes;
-        /* The next row is read while this one is used: the hardware prefetcher does not cross the
-         * page boundaries that long rows span. */
-        if (j + 1 < n) prefetch_row(src + row_bytes, row_bytes);
-        for (int64_t m = 0; m < rows; m += 4) {
-            switch (rows - m < 4 ? rows - m : 4) {
-                case 1: rows_dot(x, src, fmt, b, y, m, 1, k, n, j); break;
-                case 2: rows_dot(x, src, fmt, b, y, m, 2, k, n, j); break;
-                case 3: rows_dot(x, src, fmt, b, y, m, 3, k, n, j); break;
-                default: rows_dot(x, src, fmt, b, y, m, 4, k, n, j); break;
+        const uint8_t *in = src + j * row_bytes;
+        uint8_t *g = dst + (j / 4) * 4 * row_bytes;
+        const int c = (int)(j % 4);
+        if (fmt == FMT_BF16) {
+            for (int64_t blk = 0; blk < blocks; blk++) memcpy(g + (blk * 4 + c) * eb, in + blk * 64, 64);
+            const int64_t tail = 2 * k - blocks * 64;
+            memcpy(g + blocks * 4 * eb + c * tail, in + blocks * 64, tail);
+            continue;
+        }
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const uint8_t *p = in + blk * bsize;
+            uint8_t *out = g + qstart + (blk * 4 + c) * eb;
+            memcpy(g + 2 * (c * blocks + blk), p, 2);                                      /* d */
+            if (fmt == FMT_Q4_1) memcpy(g + 2 * (4 * blocks + c * blocks + blk), p + 2, 2); /* m */
+            if (fmt == FMT_Q8_0) {
+                memcpy(out, p + 2, 32);
+                continue;
             }
+            /* GGUF: byte i holds weight i (low nibble) and weight 16 + i (high). Packed: byte u holds
+             * weight 2u (low) and 2u + 1 (high). */
+            uint8_t q[32];
+            for (int i = 0; i < 16; i++) q[i] = p[head + i] & 0x0F, q[16 + i] = p[head + i] >> 4;
+            for (int u = 0; u < 16; u++) out[u] = (uint8_t)(q[2 * u] | (q[2 * u + 1] << 4));
         }
     }
 }
