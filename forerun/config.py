@@ -114,6 +114,7 @@ class EngineConfig:
     linear_kernel: str = "auto"  # CPU matmuls: auto (measured), aten (F.linear), mkldnn (prepacked) or native (C)
     native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
     gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read compact weights; None: measured
+    enforce_eager: bool = False  # True: small decode steps run layer by layer in Python, not in one C call
     trace: bool = False  # record the step timeline
     # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -149,6 +150,8 @@ class EngineConfig:
             _positive(self.num_threads, "num_threads")
         if self.native_kernels not in (None, True, False):
             raise ValueError(f"native_kernels: expected a bool or None, got {self.native_kernels!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
         if self.gemv_max_rows is not None and (not isinstance(self.gemv_max_rows, int)
                                                or isinstance(self.gemv_max_rows, bool) or self.gemv_max_rows < 0):
             raise ValueError(f"gemv_max_rows: expected a non-negative integer or None, got {self.gemv_max_rows!r}")

@@ -13,7 +13,8 @@ _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
            "split_interleave_steps", "scheduling_policy", "kv_cache_memory", "num_kv_blocks",
            "async_scheduling", "seed", "tensor_parallel_size", "pipeline_parallel_size",
            "distributed_executor_backend", "runner",
-           "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "speculative_config")
+           "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "enforce_eager",
+           "speculative_config")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -65,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--gemv-max-rows", type=int, default=None,
                    help="CPU fp32: matmuls of up to this many rows read the weights as bf16 when that is "
                         "exact, halving the bytes a decode step reads (default: measured; 0 turns it off)")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="run every decode step layer by layer from Python; by default a CPU decode step of "
+                        "as many rows as --gemv-max-rows runs all layers in one C call (same results)")
     return parser
 
 

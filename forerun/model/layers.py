@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from forerun.model.linear_kernels import LinearFn, make_linear, split_by_rows
 from forerun.model.compact_weights import CompactWeight
 from forerun.model.native_gemm import PackedGemm
-from forerun.model.native_gemv import CompactGemv
+from forerun.model.native_gemv import CompactGemv, CompactLinear
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import TPGroup
 
@@ -114,6 +114,8 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     compact: CompactWeight | None = None  # a checkpoint's own compact form of `weight` (GGUF blocks)
+    small: CompactLinear | None = None  # the matmul of inputs of at most `small_rows` rows, when set
+    small_rows: int = 0
     _matmul: LinearFn | None = None
 
     def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
@@ -128,6 +130,7 @@ class PackableLinear(nn.Module):
         small = None
         if gemv is not None and gemv_rows > 0:
             small = gemv.linear(self.compact or CompactWeight.bf16_of(weight), bias)
+        self.small, self.small_rows = small, gemv_rows if small is not None else 0
         if small is not None:
             self._matmul = split_by_rows(small, large or (lambda x: F.linear(x, weight, bias)), gemv_rows)
         else:

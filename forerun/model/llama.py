@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -14,6 +15,7 @@ from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, Pa
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.compact_weights import CompactWeight
 from forerun.model.native_gemm import PackedGemm
+from forerun.model.native_decode import DecodeLayers
 from forerun.model.native_gemv import CompactGemv
 from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import PPStage, TPGroup
@@ -227,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = args.head_dim
         self.vocab_size = args.vocab_size
         self.max_position = args.max_position
+        self.decode_layers: DecodeLayers | None = None  # set by use_decode_layers
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of ONE layer's cache: (2, num_blocks, block_size, num_kv_heads, head_dim)."""
@@ -248,8 +251,12 @@ class LlamaForCausalLM(nn.Module):
             if intermediate is None:
                 raise ValueError(f"intermediate: stage {self.pp.index} needs the previous stage's activations")
             hidden, residual = intermediate
-        for i, cache in zip(self.local_layers, kv_caches):
-            hidden, residual = m.layers[i](hidden, residual, cos, sin, cache, attn)
+        fused = self.decode_layers
+        if fused is not None and residual is None and fused.accepts(hidden, cos, sin, kv_caches, attn):
+            hidden, residual = fused(hidden, cos, sin, kv_caches, attn)
+        else:
+            for i, cache in zip(self.local_layers, kv_caches):
+                hidden, residual = m.layers[i](hidden, residual, cos, sin, cache, attn)
         if not self.pp.is_last:
             return hidden, residual
         return m.norm.add_forward(hidden, residual)[0]
@@ -304,6 +311,13 @@ class LlamaForCausalLM(nn.Module):
             return max(set(forms), key=forms.count)
         first = next((m for m in linears if m.weight.numel()), None)
         return "bf16" if first is not None and CompactWeight.bf16_of(first.weight.detach()) is not None else None
+
+    def use_decode_layers(self, lib: ctypes.CDLL) -> str | None:
+        """Run small decode steps through every layer in one C call (forerun.model.native_decode) from
+        now on; call after `use_linear_kernel`. Returns why it cannot, or None when it does."""
+        why = DecodeLayers.why_not(self)
+        self.decode_layers = None if why else DecodeLayers.build(lib, self)
+        return why or (None if self.decode_layers else "no matmul reads compact weights")
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""

@@ -118,6 +118,11 @@ class Worker:
                 if gemv_rows and self.rank == 0:
                     logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
                                 "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
+            if lib is not None and gemv_rows and not config.enforce_eager:
+                why_not = self.model.use_decode_layers(lib)
+                if self.rank == 0:
+                    logger.info("decode steps of up to %d rows: %s", gemv_rows,
+                                f"layer by layer ({why_not})" if why_not else "all layers in one C call")
         self.runner: ModelRunner | None = None
         self._profiler: torch.profiler.profile | None = None
 

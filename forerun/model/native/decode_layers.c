@@ -1,0 +1,105 @@
+/* Every decoder layer of a Llama-family model for a decode step of a few rows, in one call.
+ *
+ * Why: at one to a few decode rows a layer's arithmetic takes tens of microseconds, while driving
+ * its ten ops from Python (norm, q/k/v matmul, rotary, cache write, attention, o matmul, norm,
+ * gate/up matmul, activation, down matmul) costs about as much again in dispatch. Here the same
+ * kernels the Python path calls run back to back from C, with the same arguments, so the result is
+ * the Python path's bit for bit (tests check it) at a fraction of the overhead: the CPU's
+ * counterpart of replaying a captured graph.
+ *
+ * The caller (forerun.model.native_decode) checks every condition first: fp32, matmuls on the
+ * compact-weight GEMV, one rank, all rows decoding. hidden and residual [rows, hidden] are updated
+ * in place; with `has_residual` 0 the first layer starts from hidden alone (residual = hidden).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int fmt, const float *b, float *y,
+                      int64_t rows, int64_t k, int64_t n, int nthreads);
+void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *res_out,
+                      int64_t rows, int64_t hidden, float eps, int nthreads);
+void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter, int nthreads);
+void rotary_f32(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t cos_sin_stride,
+                float *out, int64_t tokens, int64_t heads, int64_t D, int nthreads);
+int decode_attention_f32(const float *q, int64_t q_stride, const float *cache, const int64_t *tables,
+                         int64_t table_stride, const int64_t *lens, float *out, int64_t B, int64_t H, int64_t KVH,
+                         int64_t D, int64_t NB, int64_t BS, int64_t window, float scale, int nthreads,
+                         int64_t max_len);
+
+/* One matmul on the compact-weight GEMV: the packed weight, its format and group size, bias or NULL. */
+typedef struct {
+    const uint8_t *w;
+    int64_t group_bytes;
+    int64_t fmt;
+    const float *bias;
+} matmul_t;
+
+typedef struct {
+    matmul_t qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
+    float *kv_cache;                     /* [2, num_blocks, block_size, kv_heads, head_dim] */
+    int64_t window;                      /* sliding window, 0 for full attention */
+} layer_t;
+
+/* The model's shape (fixed at load). */
+typedef struct {
+    int64_t hidden, inter, heads, kv_heads, head_dim, num_blocks, block_size;
+    float eps, scale;
+} shape_t;
+
+/* One step's batch (see forerun.model.attention.AttentionMetadata for the decode fields). */
+typedef struct {
+    int64_t rows;
+    const float *cos, *sin; /* per-row rotary factors, rows cos_sin_stride apart */
+    int64_t cos_sin_stride;
+    const int64_t *slots;  /* [rows] cache slot of each row's new token */
+    const int64_t *tables; /* [rows, table_stride] block ids */
+    int64_t table_stride;
+    const int64_t *lens; /* [rows] context lengths */
+    int64_t max_len;
+} batch_t;
+
+/* Element-wise passes below this size run on one thread, as forerun.model.native_ops decides. */
+enum { PARALLEL_MIN_ELEMENTS = 1 << 14 };
+
+static int threads_for(int64_t elements, int nthreads) { return elements >= PARALLEL_MIN_ELEMENTS ? nthreads : 1; }
+
+static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, int64_t k, int64_t n, int nthreads) {
+    gemv_compact_f32(x, m->w, m->group_bytes, (int)m->fmt, m->bias, y, rows, k, n, nthreads);
+}
+
+int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, float *hidden,
+                      float *residual, int has_residual, int nthreads) {
+    const int64_t R = b->rows, Hd = s->hidden, D = s->head_dim, H = s->heads, KVH = s->kv_heads;
+    const int64_t qk_w = (H + KVH) * D, qkv_w = qk_w + KVH * D, I = s->inter;
+    float *buf = malloc(sizeof(float) * (size_t)(R * (qkv_w + qk_w + H * D + Hd + 3 * I)));
+    if (!buf) return 1;
+    float *qkv = buf, *qk = qkv + R * qkv_w, *att = qk + R * qk_w, *normed = att + R * H * D, *gu = normed + R * Hd;
+    float *act = gu + R * 2 * I;
+    const int small = threads_for(R * Hd, nthreads);
+    int failed = 0;
+    for (int64_t l = 0; l < num_layers && !failed; l++) {
+        const layer_t *L = &layers[l];
+        /* input norm (the residual add of the previous layer's MLP output fused in) */
+        const float *add = l == 0 && !has_residual ? NULL : residual; /* NULL: residual = hidden */
+        add_rms_norm_f32(hidden, add, L->input_norm, normed, residual, R, Hd, s->eps, small);
+        matmul(&L->qkv, normed, qkv, R, Hd, qkv_w, nthreads);
+        rotary_f32(qkv, qkv_w, b->cos, b->sin, b->cos_sin_stride, qk, R, H + KVH, D, threads_for(R * qk_w, nthreads));
+        /* the new tokens' K (rotated) and V into the paged cache */
+        float *K = L->kv_cache, *V = L->kv_cache + s->num_blocks * s->block_size * KVH * D;
+        for (int64_t r = 0; r < R; r++) {
+            memcpy(K + b->slots[r] * KVH * D, qk + r * qk_w + H * D, sizeof(float) * (size_t)(KVH * D));
+            memcpy(V + b->slots[r] * KVH * D, qkv + r * qkv_w + qk_w, sizeof(float) * (size_t)(KVH * D));
+        }
+        failed = decode_attention_f32(qk, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, att, R, H, KVH, D,
+                                      s->num_blocks, s->block_size, L->window, s->scale, nthreads, b->max_len);
+        matmul(&L->o, att, hidden, R, H * D, Hd, nthreads);
+        add_rms_norm_f32(hidden, residual, L->post_norm, normed, residual, R, Hd, s->eps, small);
+        matmul(&L->gate_up, normed, gu, R, Hd, 2 * I, nthreads);
+        silu_mul_f32(gu, act, R, I, threads_for(R * 2 * I, nthreads));
+        matmul(&L->down, act, hidden, R, I, Hd, nthreads);
+    }
+    free(buf);
+    return failed;
+}

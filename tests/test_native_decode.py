@@ -1,0 +1,68 @@
+"""The fused decode step (`native/decode_layers.c`): every layer of a small decode batch in one C call
+gives the layer-by-layer path's tokens and logprobs exactly, is used where it applies, and stays off
+where it cannot apply or `enforce_eager` is set."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from forerun import LLM, SamplingParams
+from forerun.config import EngineConfig
+from forerun.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tests.conftest import save_tiny_model
+
+# Prompt lengths around the 16-token block; max_tokens differ so the batch shrinks from 6 rows
+# (above the fused step's 4) to 1 within one run, and contexts cross block boundaries.
+PROMPTS = [[7, 8, 9] * 7, [30, 31], list(range(50, 90)), [5] * 16, [11, 12, 13], list(range(200, 233))]
+MAX_TOKENS = [30, 12, 22, 8, 26, 18]
+
+
+def _run(folder, eager: bool) -> tuple[list, int]:
+    """(tokens and logprobs per prompt, fused calls) for one engine."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
+    with LLM(model=str(folder), dtype="float32", gemv_max_rows=4, enforce_eager=eager, show_progress=False) as llm:
+        fused = llm.engine.core.executor.worker.model.decode_layers
+        assert (fused is None) == eager
+        calls = []
+        if fused is not None:
+            run = fused.fn
+            fused.fn = lambda *a: calls.append(1) or run(*a)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 8}),
+                                             ("llama", {"num_key_value_heads": 4})])
+def test_fused_step_matches_layer_by_layer_exactly(tmp_path, smollm2_dir, arch, overrides):
+    # bf16-stored weights give every matmul an exact compact form, as a bf16 checkpoint does.
+    folder = save_tiny_model(tmp_path / arch, smollm2_dir, arch, stored_dtype="bfloat16", **overrides)
+    eager, _ = _run(folder, eager=True)
+    fused, calls = _run(folder, eager=False)
+    assert fused == eager  # token ids and every logprob, bit for bit
+    # one call per decode step of at most 4 rows: about 18 once the batch has shrunk to 4
+    assert calls >= 12
+
+
+def test_no_fused_step_where_it_cannot_apply(tmp_path, smollm2_dir, caplog):
+    folder = save_tiny_model(tmp_path / "qwen3", smollm2_dir, "qwen3", stored_dtype="bfloat16")
+    with caplog.at_level(logging.INFO):
+        with LLM(model=str(folder), dtype="float32", gemv_max_rows=4, show_progress=False) as llm:
+            assert llm.engine.core.executor.worker.model.decode_layers is None
+            assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    assert "layer by layer (per-head q/k norms)" in caplog.text
+    # fp32 weights that bf16 cannot hold: no compact forms, so no GEMV and no fused step
+    folder = save_tiny_model(tmp_path / "fp32", smollm2_dir)
+    with LLM(model=str(folder), dtype="float32", gemv_max_rows=4, show_progress=False) as llm:
+        assert llm.engine.core.executor.worker.model.decode_layers is None
+
+
+def test_enforce_eager_flag_and_validation():
+    import argparse
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert engine_config_from_args(parser.parse_args([])).enforce_eager is False
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(enforce_eager="yes").validate()
