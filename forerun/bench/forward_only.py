@@ -1,6 +1,6 @@
 """The model alone: replay the steps an engine scheduled straight into its executor, with no engine.
 
-`record_steps` copies every SchedulerOutput an engine launches; `replay` feeds the same list to a
+`record_steps` copies every SchedulerOutput an engine launches (when a replay will need them); `replay` feeds the same list to a
 fresh engine's executor (forward, then sampling, per step) without scheduling, output processing or
 detokenizing. The worker is deterministic in what it is sent, so the replay runs exactly the same
 batch shapes: throughput over replay throughput is the share of time the engine's own work costs.
@@ -10,24 +10,37 @@ from __future__ import annotations
 
 import pickle
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from forerun.core.scheduler_output import SchedulerOutput
 from forerun.engine.llm_engine import LLMEngine
 
 
-def record_steps(engine: LLMEngine) -> list[SchedulerOutput]:
-    """From now on, keep a copy of every step `engine` launches (a proxy around execute_model)."""
-    steps: list[SchedulerOutput] = []
+@dataclass
+class StepRecord:
+    """What an engine launched: its scheduled tokens, and copies of the steps when kept for a replay."""
+
+    steps: list[SchedulerOutput] = field(default_factory=list)
+    scheduled_tokens: int = 0
+
+
+def record_steps(engine: LLMEngine, keep: bool) -> StepRecord:
+    """From now on, count the tokens of every step `engine` launches (a proxy around execute_model),
+    and with `keep` also copy each step. The copy costs the engine thread time a real engine does not
+    spend, so it is taken only for a replay."""
+    record = StepRecord()
     executor = engine.core.executor
     launch = executor.execute_model
 
     def recording(scheduler_output: SchedulerOutput, non_block: bool = False) -> Any:
-        steps.append(pickle.loads(pickle.dumps(scheduler_output)))  # later steps must not alias it
+        record.scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        if keep:
+            record.steps.append(pickle.loads(pickle.dumps(scheduler_output)))  # later steps must not alias it
         return launch(scheduler_output, non_block)
 
     executor.execute_model = recording  # type: ignore[method-assign]
-    return steps
+    return record
 
 
 def replay(engine: LLMEngine, steps: list[SchedulerOutput]) -> float:
@@ -40,11 +53,9 @@ def replay(engine: LLMEngine, steps: list[SchedulerOutput]) -> float:
     return time.perf_counter() - start
 
 
-def matmul_flops(steps: list[SchedulerOutput], sampled_tokens: int,
-                 shapes: list[tuple[int, int, int]]) -> float:
-    """FLOPs of the steps' matmuls: every scheduled token passes the layers, sampled rows the LM head.
+def matmul_flops(scheduled_tokens: int, sampled_tokens: int, shapes: list[tuple[int, int, int]]) -> float:
+    """FLOPs of a run's matmuls: every scheduled token passes the layers, sampled rows the LM head.
     (`shapes` ends with the LM head, as `model_matmul_shapes` returns them; attention is left out.)"""
     per_token = sum(2.0 * k * n * c for k, n, c in shapes[:-1])
     k, n, c = shapes[-1]
-    tokens = sum(s.total_num_scheduled_tokens for s in steps)
-    return tokens * per_token + sampled_tokens * 2.0 * k * n * c
+    return scheduled_tokens * per_token + sampled_tokens * 2.0 * k * n * c

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forerun.bench.forward_only import matmul_flops, record_steps, replay
+from forerun.bench.forward_only import StepRecord, matmul_flops, record_steps, replay
 from forerun.bench.workloads import (Workload, grounded_workload, make_tiny_llama, random_workload,
                                      with_structured_ratio)
 from forerun.config import EngineConfig
@@ -63,7 +63,7 @@ class ModeRun:
 
     result: dict[str, Any]
     trace: StepTrace | None
-    steps: list[SchedulerOutput]
+    record: StepRecord
     matmul_peak_gflops: float
 
 
@@ -75,8 +75,9 @@ def _warm_up(engine: LLMEngine, workload: Workload) -> None:
     _drain(engine, [workload.prompts[i] for i in warm], [workload.params[i] for i in warm])
 
 
-def run_mode(config: EngineConfig, workload: Workload, trace: bool = True) -> ModeRun:
-    """One engine, a short warm-up, then the whole workload timed."""
+def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_steps: bool = False) -> ModeRun:
+    """One engine, a short warm-up, then the whole workload timed (with `keep_steps`, a copy of every
+    step it launched, for a replay)."""
     config = dataclasses.replace(config, trace=trace)
     engine = LLMEngine(config, show_progress=False)
     try:
@@ -85,7 +86,7 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True) -> Mo
             engine.trace.events.clear()
         steps0 = engine.core.scheduler.step_id
         spec0 = dataclasses.replace(engine.core.scheduler.spec_stats)
-        steps = record_steps(engine)
+        record = record_steps(engine, keep_steps)
         start = time.perf_counter()
         out_tokens = _drain(engine, workload.prompts, workload.params)
         elapsed = time.perf_counter() - start
@@ -105,7 +106,7 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True) -> Mo
         if config.speculative_config is not None:
             result["spec_decode"] = _spec_figures(spec0, engine.core.scheduler.spec_stats, result["steps"])
         peak = engine.core.executor.collective_rpc("matmul_peak_gflops")[0]
-        return ModeRun(result, t, steps, peak)
+        return ModeRun(result, t, record, peak)
     finally:
         engine.shutdown()
         gc.collect()
@@ -224,13 +225,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # taken per adjacent pair (these machines drift by up to 2x within minutes).
     for _ in range(args.repeat):
         for i, (name, cfg) in enumerate(_modes(config, args)):
-            run = run_mode(cfg, workload)
-            flops = matmul_flops(run.steps, run.result["output_tokens"], shapes)
+            run = run_mode(cfg, workload, keep_steps=i == 0 and (args.forward_only or bool(args.profile)))
+            flops = matmul_flops(run.record.scheduled_tokens, run.result["output_tokens"], shapes)
             gflops = flops / run.result["elapsed_s"] / 1e9
             run.result["matmul_gflops"] = _sig(gflops)
             run.result["fraction_of_matmul_peak"] = _sig(gflops / run.matmul_peak_gflops)
             if args.forward_only and i == 0:
-                seconds, _ = run_forward_only(config, workload, run.steps)
+                seconds, _ = run_forward_only(config, workload, run.record.steps)
                 replays.append(seconds)
                 # tok/s over replay tok/s (elapsed_s is rounded to 1 ms, too coarse for a tiny run)
                 run.result["over_forward_only"] = round(
@@ -254,7 +255,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["forward_only"] = {
             "elapsed_s": round(seconds, 3), "output_tok_per_s": round(fwd_tps, 2),
             "output_tok_per_s_runs": [round(first.result["output_tokens"] / r, 2) for r in replays],
-            "matmul_gflops": _sig(matmul_flops(first.steps, first.result["output_tokens"], shapes) / seconds / 1e9)}
+            "matmul_gflops": _sig(matmul_flops(first.record.scheduled_tokens, first.result["output_tokens"], shapes)
+                                  / seconds / 1e9)}
         first_name = next(iter(all_runs))
         for name, run in runs.items():
             if name == first_name:  # each run over its own replay, taken right after it
@@ -266,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             run.result["over_forward_only"] = round(ratio, 3)
             run.result["engine_share"] = round(1.0 - ratio, 3)
     if args.profile:
-        _, top = run_forward_only(config, workload, first.steps, profile=True)
+        _, top = run_forward_only(config, workload, first.record.steps, profile=True)
         args.profile.write_text(json.dumps(top, indent=1))
         result["profile_top"] = top[:10] if top else None
     if "sync" in result and "async" in result:
