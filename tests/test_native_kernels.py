@@ -66,6 +66,23 @@ def test_few_and_many_decode_rows_match_stock_attention(native, rows, dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("seq_lens", [[300], [1, 300], [130, 301]])
+@pytest.mark.parametrize("window", [None, 100])
+def test_long_contexts_of_few_rows_split_into_parts_match_stock_attention(native, seq_lens, window):
+    # Fewer (row, KV head) items than two per thread: each context is cut into parts (a 1-token row
+    # leaves a part empty) whose partial sums are merged.
+    q, k, v, cache, meta = _batch([1] * len(seq_lens), seq_lens, 9, 3, 16, torch.float32, block_size=16)
+    want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.25, window)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            got = native.forward(q, k, v, cache.clone(), meta, 0.25, window)
+            assert (got - want).abs().max().item() <= 1e-5
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_rows_of_one_block_next_to_a_longer_row(native):
     # Decode rows needing one block each beside a row needing three: the decode block ids are a
     # one-column slice of the table, which must reach the C kernel as a contiguous buffer.
