@@ -68,6 +68,21 @@ def test_kernel_matches_fp32_linear(gemv, rows, fmt):
         assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", *GGUF_FORMATS])
+def test_the_c_exactness_check_agrees_with_the_torch_one(gemv, fmt):
+    if fmt == "bf16":
+        weight = CompactWeight.bf16_of(_bf16_exact(67, 104))
+    else:
+        weight = _gguf_weight(fmt, 67, 96)[0]
+    dense = weight.expand()
+    assert gemv.matches(weight, dense) and weight.matches(dense)
+    for row, col in ((0, 0), (66, 95), (31, 40)):  # one weight one ulp off, anywhere in the matrix
+        off = dense.clone()
+        off[row, col] = torch.nextafter(off[row, col], torch.tensor(float("inf")))
+        assert not gemv.matches(weight, off) and not weight.matches(off)
+    assert not gemv.matches(weight, dense[:, : weight.k - 8].contiguous()), "another shape"
+
+
 def test_three_dimensional_and_strided_inputs(gemv):
     weight = CompactWeight.bf16_of(_bf16_exact(32, 64))
     x = torch.randn(2, 3, 128)[..., ::2]  # a strided view

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+# (compact form, fp32 weight) -> whether the form expands exactly to the weight
+MatchFn = Callable[["CompactWeight", Tensor], bool]
 # Format -> (code the C kernel knows, bytes per block of 32 weights; bf16 has no blocks).
 FORMATS = {"bf16": (0, 64), "Q8_0": (1, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
 BLOCKS_FILE = Path("gguf-blocks") / "blocks.safetensors"

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
-from forerun.model.compact_weights import CompactWeight
+from forerun.model.compact_weights import CompactWeight, MatchFn
 from forerun.model.native_gemm import PackedGemm
 from forerun.model.native_decode import DecodeLayers
 from forerun.model.native_gemv import CompactGemv
@@ -276,10 +276,12 @@ class LlamaForCausalLM(nn.Module):
                 total += 1
         return on_gemv, total
 
-    def attach_compact_weights(self, compact: dict[str, CompactWeight]) -> int:
+    def attach_compact_weights(self, compact: dict[str, CompactWeight],
+                               matches: MatchFn = CompactWeight.matches) -> int:
         """Give each matmul its checkpoint's compact form (by HF tensor name; packed q/k/v and gate/up
-        stacked) where it expands exactly to the loaded weight. One rank only: shards would cut
-        blocks. Returns how many matmuls got one; call before `use_linear_kernel`."""
+        stacked) where it expands exactly to the loaded weight (`matches`: the torch check, or the
+        C kernels' one-pass version). One rank only: shards would cut blocks. Returns how many
+        matmuls got one; call before `use_linear_kernel`."""
         if self.tp.size != 1 or not compact:
             return 0
         parts_of: dict[str, list[str]] = {}
@@ -297,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
             if not all(n in compact for n in names):
                 continue
             form = CompactWeight.cat([compact[n] for n in names])
-            if form is not None and form.matches(module.weight.detach()):
+            if form is not None and matches(form, module.weight.detach()):
                 module.compact = form
                 attached += 1
         return attached

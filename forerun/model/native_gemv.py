@@ -49,6 +49,7 @@ class CompactGemv:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.gemv_compact_f32
         self.pack_fn = lib.gemv_pack_f32
+        self.matches_fn = lib.gemv_matches_f32
         self.build = build_name(lib)
 
     def linear(self, weight: CompactWeight | None, bias: Tensor | None) -> CompactLinear | None:
@@ -57,6 +58,15 @@ class CompactGemv:
             return None
         b = None if bias is None else bias.detach().float().contiguous()
         return CompactLinear(self, self.pack(weight), weight.code, weight.k, weight.data.shape[0], b)
+
+    def matches(self, weight: CompactWeight, dense: Tensor) -> bool:
+        """`weight.matches(dense)` in one C pass (the torch version makes several of the whole model)."""
+        if (dense.dtype != torch.float32 or dense.device.type != "cpu" or not dense.is_contiguous()
+                or tuple(dense.shape) != (weight.data.shape[0], weight.k)):
+            return weight.matches(dense)
+        data = weight.data.contiguous()
+        return bool(self.matches_fn(data.data_ptr(), weight.code, dense.shape[0], weight.k, dense.data_ptr(),
+                                    torch.get_num_threads()))
 
     def pack(self, weight: CompactWeight) -> Tensor:
         """The kernel's own layout of `weight` (groups of 4 rows read front to back; see the C file),

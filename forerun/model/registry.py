@@ -13,7 +13,7 @@ from torch import Tensor
 from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
-from forerun.model.compact_weights import load_gguf_blocks
+from forerun.model.compact_weights import CompactWeight, MatchFn, load_gguf_blocks
 from forerun.model.parallel import PPStage, TPGroup
 from forerun.model.weights import iter_safetensors
 
@@ -69,10 +69,11 @@ def check_pipeline_stages(folder: Path, pp_size: int) -> None:
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup(),
-               backend: AttentionBackend | None = None, pp_rank: int = 0, pp_size: int = 1) -> CausalLM:
+               backend: AttentionBackend | None = None, pp_rank: int = 0, pp_size: int = 1,
+               matches: MatchFn = CompactWeight.matches) -> CausalLM:
     """Build the model for `folder`'s config.json on `device` in `dtype` and load its safetensors
     (attention through `backend`, stock PyTorch when None); with `pp_size` > 1 only pipeline stage
-    `pp_rank`'s share of the layers."""
+    `pp_rank`'s share of the layers. `matches` checks that a GGUF block form expands to its weight."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"folder: no config.json in {folder}")
@@ -85,7 +86,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
     model.to(dtype)
     model.load_weights(iter_safetensors(Path(folder)))
     model.requires_grad_(False).eval()
-    attached = model.attach_compact_weights(load_gguf_blocks(Path(folder)))
+    attached = model.attach_compact_weights(load_gguf_blocks(Path(folder)), matches)
     if attached:
         logger.info("%d matmuls can read the GGUF file's own quantized blocks", attached)
     logger.info("loaded %s from %s (%d layers, tp rank %d/%d)", arch, folder, args.num_layers, tp.rank, tp.size)

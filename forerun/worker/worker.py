@@ -19,6 +19,7 @@ from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
 from forerun.model.model_source import cache_dir
+from forerun.model.compact_weights import CompactWeight
 from forerun.model.native_attention import NativeDecodeBackend
 from forerun.model.native_build import load_native_library
 from forerun.model.native_gemm import PackedGemm
@@ -106,11 +107,12 @@ class Worker:
                 self.gemm = PackedGemm(lib)
             self.kernel_choice = choice = self._choose_kernels()
             self.dtype = choice.torch_dtype
+            gemv = None if lib is None else CompactGemv(lib)
             self.model = load_model(self.folder, self.dtype, self.device, self.tp,
-                                    None if lib is None else NativeDecodeBackend(lib), self.stage, self.pp_size)
+                                    None if lib is None else NativeDecodeBackend(lib), self.stage, self.pp_size,
+                                    CompactWeight.matches if gemv is None else gemv.matches)
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
-            gemv = None if lib is None else CompactGemv(lib)
             gemv_rows = self._choose_gemv_rows(choice, gemv)
             if choice.linear_kernel != "aten" or gemv_rows:
                 on_gemv, total = self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch(), gemv,

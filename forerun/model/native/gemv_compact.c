@@ -238,3 +238,39 @@ void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *d
         }
     }
 }
+
+/* 1 when GGUF blocks (or bf16 rows) [n, row bytes] expand exactly to the fp32 weight w [n, k], as
+ * forerun.model.compact_weights.CompactWeight.expand computes the expansion (each weight rounded once;
+ * see the exactness note at the top), else 0. One pass over both, to check a model's forms at load. */
+int gemv_matches_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, const float *w, int nthreads) {
+    const int64_t blocks = k / 32;
+    const int bsize = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20;
+    const int64_t row_bytes = fmt == FMT_BF16 ? 2 * k : blocks * bsize;
+    if (fmt != FMT_BF16 && k % 32) return 0;
+    int equal = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(&& : equal)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *in = src + j * row_bytes;
+        const float *wr = w + j * k;
+        if (fmt == FMT_BF16) {
+            for (int64_t i = 0; i < k; i++) equal = equal && ld_bf16((const uint16_t *)in + i) == wr[i];
+            continue;
+        }
+        for (int64_t blk = 0; blk < blocks && equal; blk++) {
+            const uint8_t *p = in + blk * bsize;
+            const float d = fp16_to_f32(p), m = fmt == FMT_Q4_1 ? fp16_to_f32(p + 2) : 0.f;
+            for (int i = 0; i < 32; i++) {
+                float v;
+                if (fmt == FMT_Q8_0) {
+                    v = (float)(int8_t)p[2 + i] * d;
+                } else {
+                    const uint8_t byte = p[(fmt == FMT_Q4_1 ? 4 : 2) + i % 16];
+                    const float q = (float)(i < 16 ? byte & 0x0F : byte >> 4);
+                    v = fmt == FMT_Q4_1 ? d * q + m : (q - 8.f) * d;
+                }
+                equal = equal && v == wr[blk * 32 + i];
+            }
+        }
+    }
+    return equal;
+}
