@@ -30,7 +30,7 @@ class PackedGemm:
         n, k = weight.shape
         w = weight.detach().to(torch.float32).contiguous()
         packed = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
-        self._pack(w.data_ptr(), n, k, packed.data_ptr())
+        self._pack(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
         return packed
 
     def linear(self, weight: Tensor, bias: Tensor | None) -> LinearFn:

@@ -27,8 +27,10 @@
 /* Panel lines ahead to prefetch: about 1 KiB, what the next few dozen steps of k will read. */
 #define PREFETCH_LINES 16
 
-void pack_weight_f32(const float *w, int64_t n, int64_t k, float *packed) {
+void pack_weight_f32(const float *w, int64_t n, int64_t k, float *packed, int nthreads) {
     const int64_t panels = (n + NR - 1) / NR;
+    /* At load every matmul's weight is packed once: the model's whole fp32 size, so all threads. */
+#pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t i = 0; i < k; i++)
             for (int j = 0; j < NR; j++) {
