@@ -1,9 +1,10 @@
 """The model alone: replay the steps an engine scheduled straight into its executor, with no engine.
 
-`record_steps` copies every SchedulerOutput an engine launches (when a replay will need them); `replay` feeds the same list to a
-fresh engine's executor (forward, then sampling, per step) without scheduling, output processing or
-detokenizing. The worker is deterministic in what it is sent, so the replay runs exactly the same
-batch shapes: throughput over replay throughput is the share of time the engine's own work costs.
+`record_steps` copies every SchedulerOutput an engine launches (when a replay will need them);
+`replay` feeds the same list to a fresh engine's executor (forward, then sampling, per step) without
+scheduling, output processing or detokenizing. The worker is deterministic in what it is sent, so the
+replay runs exactly the same batch shapes: throughput over replay throughput is the share of time the
+engine's own work costs.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ static inline float fp16_to_f32(const uint8_t *p) {
 static inline void fp16_row(const uint8_t *p, int64_t n, float *out) {
     int64_t i = 0;
 #if defined(__F16C__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
 #endif
     for (; i < n; i++) out[i] = fp16_to_f32(p + 2 * i);
 }
