@@ -11,7 +11,9 @@
  * Arithmetic: a GGUF weight is q * d + m with a small integer q and a block of 32 weights sharing
  * d and m (Q8_0: m = 0; Q4_0 stores q + 8, so m = -8 d). The block's share of a dot product is
  * computed as d * sum(q x) + m * sum(x): one multiply-add per weight instead of two, and sum(x) is
- * taken once per row of x for every weight row.
+ * taken once per row of x for every weight row. The fp32 weights themselves are q * d + m rounded
+ * once (fp16 -> fp32 and small integers are exact, d * q needs at most 11 + 8 significant bits, so
+ * only the + m rounds, fused or not); `gemv_matches_f32` checks a model's weights against that.
  *
  * Layout (made once at load by `gemv_pack_f32` from the GGUF blocks): weight rows in groups of 4 (the
  * last group padded with zero rows), each group read front to back in one pass, which the hardware
@@ -242,7 +244,7 @@ void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *d
 
 /* 1 when GGUF blocks (or bf16 rows) [n, row bytes] expand exactly to the fp32 weight w [n, k], as
  * forerun.model.compact_weights.CompactWeight.expand computes the expansion (each weight rounded once;
- * see the exactness note at the top), else 0. One pass over both, to check a model's forms at load. */
+ * see the arithmetic note at the top), else 0. One pass over both, to check a model's forms at load. */
 int gemv_matches_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, const float *w, int nthreads) {
     const int64_t blocks = k / 32;
     const int bsize = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20;
