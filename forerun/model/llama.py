@@ -318,8 +318,8 @@ class LlamaForCausalLM(nn.Module):
         """Run small decode steps through every layer in one C call (forerun.model.native_decode) from
         now on; call after `use_linear_kernel`. Returns why it cannot, or None when it does."""
         why = DecodeLayers.why_not(self)
-        self.decode_layers = None if why else DecodeLayers.build(lib, self)
-        return why or (None if self.decode_layers else "no matmul reads compact weights")
+        self.decode_layers = None if why else DecodeLayers(lib, self)
+        return why
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""

@@ -4,7 +4,7 @@ At one to a few decode rows each op of a layer takes microseconds, and dispatchi
 and torch calls per layer costs as much as the arithmetic. `DecodeLayers` hands C the same kernels
 and arguments the layer-by-layer path uses (the compact-weight GEMV, fused norm, rotary, paged decode
 attention, activation), so the hidden states are the same bit for bit. It is built only where every
-layer can run that way (see `DecodeLayers.build`); everything else (prefill, larger batches, other
+layer can run that way (see `DecodeLayers.why_not`); everything else (prefill, larger batches, other
 dtypes or devices, tensor or pipeline parallelism) keeps the module path. `enforce_eager` turns it off.
 """
 
@@ -14,7 +14,7 @@ import ctypes
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from forerun.model.attention import AttentionMetadata
 from forerun.model.native_attention import MAX_GROUP, MAX_HEADS, NativeDecodeBackend
@@ -22,6 +22,7 @@ from forerun.model.native_build import profiled
 from forerun.model.native_gemv import CompactLinear
 
 if TYPE_CHECKING:
+    from forerun.model.layers import PackableLinear
     from forerun.model.llama import LlamaForCausalLM
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -51,30 +52,36 @@ def _matmul(lin: CompactLinear) -> _Matmul:
     return _Matmul(lin.packed.data_ptr(), lin.packed.shape[1], lin.code, bias)
 
 
-class DecodeLayers:
-    """Runs all decoder layers of one model for decode batches of at most `max_rows` rows."""
+def _linears(layer: nn.Module) -> tuple[PackableLinear, ...]:
+    """A decoder layer's four matmuls, in the order of `_Layer`'s fields."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
-    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, max_rows: int) -> None:
+
+class DecodeLayers:
+    """Runs all decoder layers of one model for decode batches of at most `max_rows` rows; build it
+    only where `why_not` answers None (after `use_linear_kernel`)."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM) -> None:
         self.fn = lib.decode_layers_f32
-        self.model = model
-        self.max_rows = max_rows
         args, layers = model.args, [model.model.layers[i] for i in model.local_layers]
+        self.max_rows = min(lin.small_rows for layer in layers for lin in _linears(layer))
         attn = layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden, self.inter = args.hidden_size, layers[0].mlp.inter
         self.eps, self.scale = args.rms_norm_eps, attn.scale
         self._layers = (_Layer * len(layers))()
         for slot, layer in zip(self._layers, layers):
-            a, mlp = layer.self_attn, layer.mlp
-            slot.qkv, slot.o = _matmul(a.qkv_proj.small), _matmul(a.o_proj.small)
-            slot.gate_up, slot.down = _matmul(mlp.gate_up_proj.small), _matmul(mlp.down_proj.small)
+            slot.qkv, slot.o, slot.gate_up, slot.down = (_matmul(lin.small) for lin in _linears(layer))
             slot.input_norm = layer.input_layernorm.weight.data_ptr()
             slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            slot.window = a.window or 0
-        self._caches: list[int] = []  # the cache pointers last written into the layer slots
+            slot.window = layer.self_attn.window or 0
+        # The engine allocates the caches once: their pointers and shape are written on first use and
+        # again only if they change.
+        self._caches: list[int] = []
+        self._shape = _Shape()
 
-    @classmethod
-    def why_not(cls, model: LlamaForCausalLM) -> str | None:
+    @staticmethod
+    def why_not(model: LlamaForCausalLM) -> str | None:
         """Why the model's layers cannot run as one C call (None when they can)."""
         if model.tp.size != 1 or not (model.pp.is_first and model.pp.is_last):
             return "tensor or pipeline parallelism"
@@ -83,8 +90,7 @@ class DecodeLayers:
         layers = [model.model.layers[i] for i in model.local_layers]
         for layer in layers:
             a, mlp = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.small is None for lin in linears):
+            if any(lin.small is None for lin in _linears(layer)):
                 return "a matmul without a compact-weight form"
             if a.native is None or mlp.native is None or layer.input_layernorm.native is None:
                 return "no fused C ops"
@@ -96,17 +102,6 @@ class DecodeLayers:
         if a.num_heads // a.num_kv_heads > MAX_GROUP or a.num_heads > MAX_HEADS or a.head_dim % 8:
             return "an attention shape the C kernel lacks"
         return None
-
-    @classmethod
-    def build(cls, lib: ctypes.CDLL, model: LlamaForCausalLM) -> DecodeLayers | None:
-        """The fused step for `model` (after `use_linear_kernel`), or None where `why_not` answers."""
-        if cls.why_not(model) is not None:
-            return None
-        layers = [model.model.layers[i] for i in model.local_layers]
-        rows = min(lin.small_rows for layer in layers
-                   for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                               layer.mlp.down_proj))
-        return cls(lib, model, rows) if rows > 0 else None
 
     def accepts(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
                 meta: AttentionMetadata) -> bool:
@@ -123,13 +118,13 @@ class DecodeLayers:
         """(hidden, residual) after the last layer, from the embedded tokens `hidden` [rows, hidden_size]
         (updated in place)."""
         caches = [c.data_ptr() for c in kv_caches]
-        if caches != self._caches:  # the engine allocates caches once; re-point only when they change
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        if caches != self._caches or num_blocks != self._shape.num_blocks:
             for slot, ptr in zip(self._layers, caches):
                 slot.kv_cache = ptr
             self._caches = caches
-        _, num_blocks, block_size, _, _ = kv_caches[0].shape
-        shape = _Shape(self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim, num_blocks, block_size,
-                       self.eps, self.scale)
+            self._shape = _Shape(self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim, num_blocks,
+                                 block_size, self.eps, self.scale)
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         rows = hidden.shape[0]
         batch = _Batch(rows, cos.data_ptr(), sin.data_ptr(), cos.stride(0), meta.slot_mapping.data_ptr(),
@@ -137,8 +132,8 @@ class DecodeLayers:
                        meta.decode_len)
         residual = torch.empty_like(hidden)
         with profiled("forerun::decode_layers"):
-            failed = self.fn(self._layers, len(self._layers), ctypes.byref(shape), ctypes.byref(batch),
-                             hidden.data_ptr(), residual.data_ptr(), 0, torch.get_num_threads())
+            failed = self.fn(self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(batch),
+                             hidden.data_ptr(), residual.data_ptr(), torch.get_num_threads())
         if failed:
             raise RuntimeError(f"decode layers: the C kernels failed (code {failed})")
         return hidden, residual

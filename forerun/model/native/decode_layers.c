@@ -8,8 +8,9 @@
  * counterpart of replaying a captured graph.
  *
  * The caller (forerun.model.native_decode) checks every condition first: fp32, matmuls on the
- * compact-weight GEMV, one rank, all rows decoding. hidden and residual [rows, hidden] are updated
- * in place; with `has_residual` 0 the first layer starts from hidden alone (residual = hidden).
+ * compact-weight GEMV, one rank, all rows decoding. hidden [rows, hidden] holds the embedded tokens
+ * and is updated in place; residual [rows, hidden] is written (the first layer starts from hidden
+ * alone, as the module path does).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -70,7 +71,7 @@ static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, in
 }
 
 int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, float *hidden,
-                      float *residual, int has_residual, int nthreads) {
+                      float *residual, int nthreads) {
     const int64_t R = b->rows, Hd = s->hidden, D = s->head_dim, H = s->heads, KVH = s->kv_heads;
     const int64_t qk_w = (H + KVH) * D, qkv_w = qk_w + KVH * D, I = s->inter;
     float *buf = malloc(sizeof(float) * (size_t)(R * (qkv_w + qk_w + H * D + Hd + 3 * I)));
@@ -82,7 +83,7 @@ int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const layer_t *L = &layers[l];
         /* input norm (the residual add of the previous layer's MLP output fused in) */
-        const float *add = l == 0 && !has_residual ? NULL : residual; /* NULL: residual = hidden */
+        const float *add = l == 0 ? NULL : residual; /* NULL: residual = hidden */
         add_rms_norm_f32(hidden, add, L->input_norm, normed, residual, R, Hd, s->eps, small);
         matmul(&L->qkv, normed, qkv, R, Hd, qkv_w, nthreads);
         rotary_f32(qkv, qkv_w, b->cos, b->sin, b->cos_sin_stride, qk, R, H + KVH, D, threads_for(R * qk_w, nthreads));
