@@ -206,12 +206,21 @@ void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int
     }
 }
 
+/* Bytes of one GGUF block of 32 weights (bf16: 32 plain weights). */
+static int gguf_block_bytes(int fmt) { return fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20; }
+
+/* The 32 stored nibbles of a GGUF Q4_0 / Q4_1 block in weight order: byte i holds weight i (low
+ * nibble) and weight 16 + i (high). */
+static void gguf_q4_nibbles(const uint8_t *block, int fmt, uint8_t q[32]) {
+    const uint8_t *qs = block + (fmt == FMT_Q4_1 ? 4 : 2);
+    for (int i = 0; i < 16; i++) q[i] = qs[i] & 0x0F, q[16 + i] = qs[i] >> 4;
+}
+
 /* GGUF blocks (or bf16 rows) [n, row bytes] -> the kernel's groups [(n + 3) / 4, 4 * row bytes] (see the
  * layout above); dst starts zeroed, so the padding rows of the last group are zero. */
 void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *dst) {
     const int64_t blocks = k / 32;
-    const int bsize = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20;
-    const int eb = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 32 : 16, head = fmt == FMT_Q4_1 ? 4 : 2;
+    const int bsize = gguf_block_bytes(fmt), eb = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 32 : 16;
     const int64_t row_bytes = fmt == FMT_BF16 ? 2 * k : blocks * bsize;
     const int64_t qstart = fmt == FMT_BF16 ? 0 : (fmt == FMT_Q4_1 ? 16 : 8) * blocks;
     for (int64_t j = 0; j < n; j++) {
@@ -233,10 +242,8 @@ void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *d
                 memcpy(out, p + 2, 32);
                 continue;
             }
-            /* GGUF: byte i holds weight i (low nibble) and weight 16 + i (high). Packed: byte u holds
-             * weight 2u (low) and 2u + 1 (high). */
-            uint8_t q[32];
-            for (int i = 0; i < 16; i++) q[i] = p[head + i] & 0x0F, q[16 + i] = p[head + i] >> 4;
+            uint8_t q[32]; /* packed: byte u holds weight 2u (low nibble) and 2u + 1 (high) */
+            gguf_q4_nibbles(p, fmt, q);
             for (int u = 0; u < 16; u++) out[u] = (uint8_t)(q[2 * u] | (q[2 * u + 1] << 4));
         }
     }
@@ -247,7 +254,7 @@ void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *d
  * see the arithmetic note at the top), else 0. One pass over both, to check a model's forms at load. */
 int gemv_matches_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, const float *w, int nthreads) {
     const int64_t blocks = k / 32;
-    const int bsize = fmt == FMT_BF16 ? 64 : fmt == FMT_Q8_0 ? 34 : fmt == FMT_Q4_0 ? 18 : 20;
+    const int bsize = gguf_block_bytes(fmt);
     const int64_t row_bytes = fmt == FMT_BF16 ? 2 * k : blocks * bsize;
     if (fmt != FMT_BF16 && k % 32) return 0;
     int equal = 1;
@@ -262,15 +269,11 @@ int gemv_matches_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, const fl
         for (int64_t blk = 0; blk < blocks && equal; blk++) {
             const uint8_t *p = in + blk * bsize;
             const float d = fp16_to_f32(p), m = fmt == FMT_Q4_1 ? fp16_to_f32(p + 2) : 0.f;
+            uint8_t q4[32];
+            if (fmt != FMT_Q8_0) gguf_q4_nibbles(p, fmt, q4);
             for (int i = 0; i < 32; i++) {
-                float v;
-                if (fmt == FMT_Q8_0) {
-                    v = (float)(int8_t)p[2 + i] * d;
-                } else {
-                    const uint8_t byte = p[(fmt == FMT_Q4_1 ? 4 : 2) + i % 16];
-                    const float q = (float)(i < 16 ? byte & 0x0F : byte >> 4);
-                    v = fmt == FMT_Q4_1 ? d * q + m : (q - 8.f) * d;
-                }
+                const float q = fmt == FMT_Q8_0 ? (float)(int8_t)p[2 + i] : (float)q4[i];
+                const float v = fmt == FMT_Q8_0 ? q * d : fmt == FMT_Q4_1 ? d * q + m : (q - 8.f) * d;
                 equal = equal && v == wr[blk * 32 + i];
             }
         }
