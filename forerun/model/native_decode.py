@@ -20,6 +20,7 @@ from forerun.model.attention import AttentionMetadata
 from forerun.model.native_attention import MAX_GROUP, MAX_HEADS, NativeDecodeBackend
 from forerun.model.native_build import profiled
 from forerun.model.native_gemv import CompactLinear
+from forerun.model.native_ops import PARALLEL_MIN_ELEMENTS
 
 if TYPE_CHECKING:
     from forerun.model.layers import PackableLinear
@@ -39,7 +40,8 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("inter", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-                ("num_blocks", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32)]
+                ("num_blocks", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
+                ("parallel_min_elements", _I64)]
 
 
 class _Batch(ctypes.Structure):
@@ -124,7 +126,7 @@ class DecodeLayers:
                 slot.kv_cache = ptr
             self._caches = caches
             self._shape = _Shape(self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim, num_blocks,
-                                 block_size, self.eps, self.scale)
+                                 block_size, self.eps, self.scale, PARALLEL_MIN_ELEMENTS)
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         rows = hidden.shape[0]
         batch = _Batch(rows, cos.data_ptr(), sin.data_ptr(), cos.stride(0), meta.slot_mapping.data_ptr(),

@@ -47,6 +47,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, num_blocks, block_size;
     float eps, scale;
+    int64_t parallel_min_elements; /* smaller element-wise passes run on one thread (native_ops' rule) */
 } shape_t;
 
 /* One step's batch (see forerun.model.attention.AttentionMetadata for the decode fields). */
@@ -61,10 +62,10 @@ typedef struct {
     int64_t max_len;
 } batch_t;
 
-/* Element-wise passes below this size run on one thread, as forerun.model.native_ops decides. */
-enum { PARALLEL_MIN_ELEMENTS = 1 << 14 };
-
-static int threads_for(int64_t elements, int nthreads) { return elements >= PARALLEL_MIN_ELEMENTS ? nthreads : 1; }
+/* Threads for an element-wise pass: all of them only from the size forerun.model.native_ops uses. */
+static int threads_for(const shape_t *s, int64_t elements, int nthreads) {
+    return elements >= s->parallel_min_elements ? nthreads : 1;
+}
 
 static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, int64_t k, int64_t n, int nthreads) {
     gemv_compact_f32(x, m->w, m->group_bytes, (int)m->fmt, m->bias, y, rows, k, n, nthreads);
@@ -78,7 +79,8 @@ int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *
     if (!buf) return 1;
     float *qkv = buf, *qk = qkv + R * qkv_w, *att = qk + R * qk_w, *normed = att + R * H * D, *gu = normed + R * Hd;
     float *act = gu + R * 2 * I;
-    const int small = threads_for(R * Hd, nthreads);
+    const int small = threads_for(s, R * Hd, nthreads), rot = threads_for(s, R * qk_w, nthreads);
+    const int act_threads = threads_for(s, R * 2 * I, nthreads);
     int failed = 0;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const layer_t *L = &layers[l];
@@ -86,7 +88,7 @@ int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *
         const float *add = l == 0 ? NULL : residual; /* NULL: residual = hidden */
         add_rms_norm_f32(hidden, add, L->input_norm, normed, residual, R, Hd, s->eps, small);
         matmul(&L->qkv, normed, qkv, R, Hd, qkv_w, nthreads);
-        rotary_f32(qkv, qkv_w, b->cos, b->sin, b->cos_sin_stride, qk, R, H + KVH, D, threads_for(R * qk_w, nthreads));
+        rotary_f32(qkv, qkv_w, b->cos, b->sin, b->cos_sin_stride, qk, R, H + KVH, D, rot);
         /* the new tokens' K (rotated) and V into the paged cache */
         float *K = L->kv_cache, *V = L->kv_cache + s->num_blocks * s->block_size * KVH * D;
         for (int64_t r = 0; r < R; r++) {
@@ -98,7 +100,7 @@ int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *
         matmul(&L->o, att, hidden, R, H * D, Hd, nthreads);
         add_rms_norm_f32(hidden, residual, L->post_norm, normed, residual, R, Hd, s->eps, small);
         matmul(&L->gate_up, normed, gu, R, Hd, 2 * I, nthreads);
-        silu_mul_f32(gu, act, R, I, threads_for(R * 2 * I, nthreads));
+        silu_mul_f32(gu, act, R, I, act_threads);
         matmul(&L->down, act, hidden, R, I, Hd, nthreads);
     }
     free(buf);
