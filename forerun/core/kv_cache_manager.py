@@ -42,8 +42,13 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Ids of the request's blocks from index `start` on (the scheduler sends only new ones)."""
+        blocks = self.req_blocks.get(request_id, ())
+        return [blocks[i].block_id for i in range(start, len(blocks))]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     def _update_hashes(self, req: Request) -> None:
         bs = self.block_size
@@ -73,8 +78,14 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if the pool is short."""
-        computed_blocks = computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])
+        if not computed_blocks:
+            # The common case, a decode inside its last block: nothing to allocate, checked first
+            # because the engine thread runs this for every request in every step.
+            needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(held)
+            if needed <= 0:
+                return True
+            computed_blocks = []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -93,12 +104,14 @@ class KVCacheManager:
         """Index the request's full blocks up to `num_tokens` (committed and scheduled) in the prefix cache."""
         if not self.enable_caching or req.pooling:
             return
+        start = self._num_hashed.get(req.request_id, 0)
+        if num_tokens // self.block_size <= start:
+            return  # no block filled since the last call: most steps of a decode (hashes stay lazy)
         blocks = self.req_blocks.get(req.request_id)
         if not blocks:
             return
         self._update_hashes(req)
         full = min(num_tokens // self.block_size, len(req.block_hashes), len(blocks))
-        start = self._num_hashed.get(req.request_id, 0)
         bs = self.block_size
         for i in range(start, full):
             self.pool.cache(blocks[i], req.block_hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))

@@ -174,10 +174,10 @@ class Scheduler:
             req.num_computed_tokens += n
             self._on_scheduled(req, n)
             if req.request_id not in new_ids:
-                ids = self.kv.block_ids(req.request_id)
                 sent = self._sent_blocks.get(req.request_id, 0)
-                cached_reqs.append(CachedRequestData(req.request_id, ids[sent:], req.num_computed_tokens - n))
-                self._sent_blocks[req.request_id] = len(ids)
+                fresh = self.kv.block_ids(req.request_id, sent)
+                cached_reqs.append(CachedRequestData(req.request_id, fresh, req.num_computed_tokens - n))
+                self._sent_blocks[req.request_id] = sent + len(fresh)
 
         out = self._make_output(num_scheduled, new_reqs, cached_reqs, preempted)
         out.num_draft_slots = {rid: d for rid, d in draft_slots.items() if rid in out.num_scheduled_tokens}
