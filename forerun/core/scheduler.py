@@ -398,17 +398,18 @@ class Scheduler:
                        rid: str) -> EngineCoreOutput | None:
         if not tokens:
             return None
-        new: list[int] = []
         status: RequestStatus | None = None
+        kept = 0
         for tok in tokens:
             req.append_output_token(tok)
-            new.append(tok)
+            kept += 1
             if req.grammar is not None and not req.grammar.accept_tokens(rid, [tok]):
                 status = RequestStatus.FINISHED_ERROR
                 break
             status = self._check_stop(req, tok)
             if status is not None:
                 break
+        new = tokens[:kept]  # a copy: the output outlives the worker's list
         logprobs = result.logprobs.get(rid) if result.logprobs else None
         if logprobs is not None:
             logprobs = logprobs[:len(new)]

@@ -211,7 +211,8 @@ class Tokenizer:
         return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # The detokenizer calls this twice per token per request: no copy of a list it already made.
+        return self._tok.decode(ids if type(ids) is list else list(ids), skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         tokens: list[str] = []
