@@ -1,0 +1,50 @@
+"""The forward-only replay keeps launched steps by reference: no step may change after its launch."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from forerun.bench.forward_only import record_steps, replay
+from forerun.config import EngineConfig
+from forerun.engine.llm_engine import LLMEngine
+from forerun.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_launched_steps_never_change_and_replay_as_launched(tiny_llama_dir, async_scheduling):
+    """Preemption (a small cache), chunked prefill, prefix hits, speculation and stops all run here; a
+    snapshot taken at launch must still equal each kept step at the end, and a fresh engine's executor
+    must accept the kept steps as they are."""
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, num_kv_blocks=12, block_size=8,
+                          max_num_batched_tokens=40, async_scheduling=async_scheduling,
+                          speculative_config={"num_speculative_tokens": 2})
+    engine = LLMEngine(config, show_progress=False)
+    try:
+        record = record_steps(engine, keep=True)
+        snapshots: list[bytes] = []
+        launch = engine.core.executor.execute_model
+
+        def snapshot_then_launch(step, non_block=False):
+            snapshots.append(pickle.dumps(step))  # before the worker can see it
+            return launch(step, non_block)  # the recording proxy keeps `step` itself
+
+        engine.core.executor.execute_model = snapshot_then_launch
+        shared = list(range(40, 70))  # a common prefix: later prompts hit the prefix cache
+        for i in range(6):
+            engine.add_request(shared + [100 + i] * (3 + 5 * i),
+                               SamplingParams(max_tokens=12 + i, ignore_eos=i % 2 == 0, stop_token_ids=[7]))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.core.scheduler.num_preemptions > 0, "the cache is meant to be too small for all six"
+    finally:
+        engine.shutdown()
+    assert len(record.steps) == len(snapshots) > 10
+    changed = [i for i, (step, snap) in enumerate(zip(record.steps, snapshots)) if pickle.dumps(step) != snap]
+    assert not changed, f"steps {changed} changed after their launch"
+    fresh = LLMEngine(config, show_progress=False)
+    try:
+        assert replay(fresh, record.steps) > 0
+    finally:
+        fresh.shutdown()
