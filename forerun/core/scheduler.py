@@ -340,7 +340,9 @@ class Scheduler:
         self.step_id += 1
         ordered = {r.request_id: num_scheduled[r.request_id] for r in new_reqs}
         ordered.update({c.request_id: num_scheduled[c.request_id] for c in cached_reqs})
-        structured = [rid for rid in ordered if self._samples_with_grammar(self.requests[rid])]
+        # Only an engine that has seen a structured request has a manager (and so matchers) at all.
+        structured = ([] if self.structured is None else
+                      [rid for rid in ordered if self._samples_with_grammar(self.requests[rid])])
         total = sum(ordered.values())
         self.total_scheduled_tokens += total
         out = SchedulerOutput(
