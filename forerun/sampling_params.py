@@ -9,6 +9,8 @@ from typing import Any
 
 from forerun.structured.spec import StructuredOutputsParams
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # "cumulative": an output every step (text so far and this step's delta), for streaming;
+    # "final_only": one output when the request ends (vLLM's FINAL_ONLY), what `LLM.generate` uses.
+    # Without stop strings a final-only request's text is decoded once at the end, not every step.
+    output_kind: str = "cumulative"
     # A dict of StructuredOutputsParams' fields is accepted and converted.
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +87,8 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed
                                      and self.seed + self.n - 1 < 2**64), "seed",
                f"must be an integer in [-2**63, 2**64 - n), got {self.seed!r}")
+        _check(self.output_kind in OUTPUT_KINDS, "output_kind",
+               f"must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.stop is not None:
             _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                    "must be a non-empty string or a list of non-empty strings")

@@ -154,6 +154,33 @@ def test_n_completions_with_seed(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
 
 
+@pytest.mark.parametrize("stop", [None, ["e"]], ids=["decoded-at-the-end", "stop-string"])
+def test_final_only_is_one_output_with_the_cumulative_text(llm, stop):
+    """A final-only request is returned once, finished, with the same tokens and text as the same
+    request streamed step by step (without stop strings its text is decoded only at the end)."""
+    engine = llm.engine
+    kinds = {}
+    for kind in ("cumulative", "final_only"):
+        params = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=14, stop=stop, output_kind=kind)
+        rid = engine.add_request("The quick brown fox", params)
+        seen, deltas = [], ["", ""]  # the output object is updated in place: read deltas as they come
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    seen.append(out)
+                    deltas = [d + c.delta_text for d, c in zip(deltas, out.outputs)]
+        kinds[kind] = seen, deltas
+    (streamed, streamed_deltas), (final, _) = kinds["cumulative"], kinds["final_only"]
+    assert len(streamed) >= 2 and len(final) == 1 and final[0].finished and streamed[-1].finished
+    for s_out, f_out in zip(streamed[-1].outputs, final[0].outputs):
+        assert f_out.token_ids == s_out.token_ids and f_out.text == s_out.text
+        assert (f_out.finish_reason, f_out.stop_reason) == (s_out.finish_reason, s_out.stop_reason)
+        assert f_out.delta_text == f_out.text and f_out.delta_token_ids == f_out.token_ids
+        assert streamed_deltas[s_out.index] == s_out.text
+    if stop:
+        assert any(c.finish_reason == "stop" and c.stop_reason == "e" for c in final[0].outputs)
+
+
 def test_prefix_cache_reuse_and_second_chat_turn(llm):
     blocks = llm.engine.core.config.block_size
     long_prompt = "word " * 70
@@ -402,6 +429,7 @@ def test_bad_input_names_the_field(tiny_llama_dir, llm):
         (lambda: SamplingParams(temperature=-1), "temperature"),
         (lambda: SamplingParams(seed=2**64), "seed"),  # would fail the worker's generator, and the step
         (lambda: SamplingParams(n=2, seed=2**64 - 1), "seed"),
+        (lambda: SamplingParams(output_kind="delta"), "output_kind"),
         (lambda: LLM(model="/no/such/model", show_progress=False), "model"),
         (lambda: LLM(model=str(tiny_llama_dir), block_size=0, show_progress=False), "block_size"),
     ]

@@ -206,6 +206,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    ignore_eos=not args.eos, seed=config.seed)
     if args.structured_output_ratio:
         workload = with_structured_ratio(workload, args.structured_output_ratio, config.seed)
+    # Offline, as `LLM.generate` runs it (and vLLM's throughput bench, through its LLM.generate): one
+    # output per request, at the end.
+    workload = Workload(workload.prompts, [dataclasses.replace(p, output_kind="final_only") for p in workload.params])
     result: dict[str, Any] = {"model": str(config.model or "default"), "num_prompts": args.num_prompts,
                               "workload": args.workload, "input_len": args.input_len, "output_len": args.output_len,
                               "vary_lengths": args.vary_lengths, "eos": args.eos,

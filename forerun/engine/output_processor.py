@@ -16,6 +16,7 @@ from forerun.sampling_params import SamplingParams
 class _Completion:
     out: CompletionOutput
     detok: IncrementalDetokenizer
+    deferred: bool = False  # final-only without stop strings: the text is decoded once, at the end
 
 
 @dataclass
@@ -25,13 +26,15 @@ class _RequestState:
     arrival: float
     first_token_time: float | None = None
     num_unfinished: int = 0  # completions still running: the request is finished at 0
+    final_only: bool = False  # returned once, when finished
 
 
 class OutputProcessor:
     """Holds per-request text state.
 
     Invariant: a RequestOutput is `finished` exactly when all its completions are; a completion stopped by a
-    stop string is reported as finished at once and its core request is returned for abort.
+    stop string is reported as finished at once and its core request is returned for abort; a final-only
+    request is returned once, finished, with its deltas holding everything.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -43,15 +46,16 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
             child_ids: list[str]) -> None:
         children = {}
+        final_only = params.output_kind == "final_only"
         for i, cid in enumerate(child_ids):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                            params.stop or (), params.include_stop_str_in_output)
             lp = [] if params.logprobs is not None else None
-            children[cid] = _Completion(CompletionOutput(i, "", [], lp), detok)
+            children[cid] = _Completion(CompletionOutput(i, "", [], lp), detok, final_only and not params.stop)
             self._child_to_parent[cid] = request_id
         out = RequestOutput(request_id, prompt, prompt_ids, [c.out for c in children.values()])
         self._states[request_id] = _RequestState(out, children, time.monotonic(),
-                                                 num_unfinished=len(children))
+                                                 num_unfinished=len(children), final_only=final_only)
 
     def add_pooling(self, request_id: str, prompt_ids: list[int]) -> None:
         self._pooling[request_id] = prompt_ids
@@ -73,7 +77,7 @@ class OutputProcessor:
         Runs on the engine thread for every request in every step, so it is kept lean: each call of a
         helper here costs about a microsecond, times the batch, on the cores the model runs on.
         """
-        touched: dict[str, RequestOutput] = {}
+        touched: dict[str, _RequestState] = {}
         embeddings: list[EmbeddingOutput] = []
         to_abort: list[str] = []
         finished: list[str] = []
@@ -88,10 +92,11 @@ class OutputProcessor:
                 continue
             state = self._states[parent]
             output = state.output
-            if parent not in touched:  # deltas describe this call only, for every sibling
-                touched[parent] = output
-                for sibling in output.outputs:
-                    sibling.delta_text, sibling.delta_token_ids = "", []
+            if parent not in touched:
+                touched[parent] = state
+                if not state.final_only:  # deltas describe this call only, for every sibling
+                    for sibling in output.outputs:
+                        sibling.delta_text, sibling.delta_token_ids = "", []
             comp = state.children[rid]
             if comp.out.finish_reason is not None:
                 continue
@@ -105,18 +110,31 @@ class OutputProcessor:
             if co.num_cached_tokens > output.num_cached_tokens:
                 output.num_cached_tokens = co.num_cached_tokens
         for rid in finished:
-            touched[rid].finished = True
+            state = touched[rid]
+            state.output.finished = True
+            if state.final_only:  # its one output: the deltas since the last one are everything
+                for c in state.output.outputs:
+                    c.delta_text, c.delta_token_ids = c.text, list(c.token_ids)
             self._finish(rid, now)
-        return [*touched.values(), *embeddings], to_abort
+        outputs = [st.output for st in touched.values() if st.output.finished or not st.final_only]
+        return [*outputs, *embeddings], to_abort
 
     def _apply(self, comp: _Completion, co: EngineCoreOutput, to_abort: list[str]) -> None:
         out = comp.out
         new_ids = co.new_token_ids
-        out.delta_token_ids = list(new_ids)
         out.token_ids.extend(new_ids)
         if out.logprobs is not None and co.new_logprobs:
             out.logprobs.extend(co.new_logprobs)
         detok = comp.detok
+        if comp.deferred:  # nobody reads the text before the end
+            if co.finish_reason is not None:
+                if out.token_ids:
+                    detok.update(out.token_ids)
+                detok.flush()
+                out.text = detok.text
+                out.finish_reason, out.stop_reason, out.error = co.finish_reason, co.stop_reason, co.error
+            return
+        out.delta_token_ids = list(new_ids)
         delta = detok.update(new_ids) if new_ids else ""
         if detok.stop_reason is not None:
             out.finish_reason, out.stop_reason = "stop", detok.stop_reason

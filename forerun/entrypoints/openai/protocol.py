@@ -89,6 +89,8 @@ class SamplingRequest(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured_outputs(),
+            # A response sent in one piece needs only the final output: no per-step text or copies.
+            output_kind="cumulative" if self.stream else "final_only",
         )
 
     def _structured_outputs(self) -> Any:
