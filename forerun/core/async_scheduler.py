@@ -33,8 +33,9 @@ class AsyncScheduler(Scheduler):
         # Every step that added placeholders returns at least one token for the request, even when the
         # request was preempted meanwhile; it removes all 1 + k it added, whatever was accepted. Partial
         # prefill chunks added none and return none.
-        super()._on_output(req, num_tokens, draft_slots)
         if num_tokens:
+            if draft_slots:
+                super()._on_output(req, num_tokens, draft_slots)
             req.num_output_placeholders = max(0, req.num_output_placeholders - 1 - draft_slots)
 
     def _can_admit(self, req: Request) -> bool:

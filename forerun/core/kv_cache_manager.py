@@ -44,11 +44,10 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """Ids of the request's blocks from index `start` on (the scheduler sends only new ones)."""
-        blocks = self.req_blocks.get(request_id, ())
-        return [blocks[i].block_id for i in range(start, len(blocks))]
-
-    def num_blocks_of(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ()))
+        blocks = self.req_blocks.get(request_id)
+        if not blocks or len(blocks) <= start:
+            return []
+        return [b.block_id for b in blocks[start:]]
 
     def _update_hashes(self, req: Request) -> None:
         bs = self.block_size

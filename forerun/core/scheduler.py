@@ -167,17 +167,20 @@ class Scheduler:
         policy.record(self.last_step_phase)
 
         new_ids = {r.request_id for r in new_reqs}
-        for req in self.running:
-            n = num_scheduled.get(req.request_id)
+        sent_blocks, on_scheduled, block_ids = self._sent_blocks, self._on_scheduled, self.kv.block_ids
+        for req in self.running:  # runs per request per step: names bound once above
+            rid = req.request_id
+            n = num_scheduled.get(rid)
             if n is None:
                 continue
             req.num_computed_tokens += n
-            self._on_scheduled(req, n)
-            if req.request_id not in new_ids:
-                sent = self._sent_blocks.get(req.request_id, 0)
-                fresh = self.kv.block_ids(req.request_id, sent)
-                cached_reqs.append(CachedRequestData(req.request_id, fresh, req.num_computed_tokens - n))
-                self._sent_blocks[req.request_id] = sent + len(fresh)
+            on_scheduled(req, n)
+            if rid not in new_ids:
+                sent = sent_blocks.get(rid, 0)
+                fresh = block_ids(rid, sent)
+                cached_reqs.append(CachedRequestData(rid, fresh, req.num_computed_tokens - n))
+                if fresh:
+                    sent_blocks[rid] = sent + len(fresh)
 
         out = self._make_output(num_scheduled, new_reqs, cached_reqs, preempted)
         out.num_draft_slots = {rid: d for rid, d in draft_slots.items() if rid in out.num_scheduled_tokens}
@@ -359,18 +362,21 @@ class Scheduler:
     # ---- apply a step's output -----------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        row = result.index()
         self.last_dead_token_req_ids = []
-        for rid in sched.num_scheduled_tokens:
-            i = row.get(rid)
-            tokens = result.sampled_token_ids[i] if i is not None else []
-            req = self.requests.get(rid)
+        scheduled = list(sched.num_scheduled_tokens)
+        sampled = result.sampled_token_ids
+        if result.req_ids != scheduled:  # rows in another order, or missing: look each one up
+            row = result.index()
+            sampled = [sampled[row[rid]] if rid in row else [] for rid in scheduled]
+        requests, draft_slots = self.requests, sched.num_draft_slots
+        for rid, tokens in zip(scheduled, sampled):
+            req = requests.get(rid)
             if req is None:  # finished or aborted while this step was in flight
                 if tokens:
                     self.num_dead_tokens += len(tokens)
                     self.last_dead_token_req_ids.append(rid)
                 continue
-            self._on_output(req, len(tokens), sched.num_draft_slots.get(rid, 0))
+            self._on_output(req, len(tokens), draft_slots.get(rid, 0) if draft_slots else 0)
             if tokens and result.num_drafted and rid in result.num_drafted:
                 self._count_spec(result.num_drafted[rid], len(tokens) - 1)
             if req.pooling:
