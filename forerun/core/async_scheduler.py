@@ -18,16 +18,18 @@ class AsyncScheduler(Scheduler):
     def _num_new_tokens(self, req: Request) -> int:
         if req.pooling:
             return req.num_tokens - req.num_computed_tokens
-        if req.num_output_placeholders and req.num_outputs_planned >= req.max_tokens:
+        in_flight = req.num_output_placeholders  # (the properties spelled out: this runs per request per step)
+        if in_flight and len(req.output_token_ids) + in_flight >= req.max_tokens:
             return 0  # the last allowed token is already in flight
-        return req.num_tokens_with_placeholders - req.num_computed_tokens
+        return len(req.all_token_ids) + in_flight - req.num_computed_tokens
 
     def _on_scheduled(self, req: Request, num_tokens: int) -> None:
         # A step samples a kept token only when it reaches the end of the known sequence: a decode, or
         # the last chunk of a prefill. A decode with k draft slots may yield up to 1 + k tokens, and
         # placeholders count the most it may yield, so max_tokens is never overshot.
-        if not req.pooling and req.num_computed_tokens >= req.num_tokens_with_placeholders:
-            req.num_output_placeholders += req.num_computed_tokens - req.num_tokens_with_placeholders + 1
+        past_end = req.num_computed_tokens - req.num_tokens_with_placeholders
+        if past_end >= 0 and not req.pooling:
+            req.num_output_placeholders += past_end + 1
 
     def _on_output(self, req: Request, num_tokens: int, draft_slots: int) -> None:
         # Every step that added placeholders returns at least one token for the request, even when the

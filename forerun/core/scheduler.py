@@ -204,13 +204,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         max_prefills = self.step_policy.max_prefill_requests if phase is Phase.PREFILL else None
         num_prefills = 0
+        running, num_new_tokens, allocate = self.running, self._num_new_tokens, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             if phase is not Phase.ANY and self._is_decode(req) != (phase is Phase.DECODE):
                 i += 1
                 continue
-            n = min(self._num_new_tokens(req), budget)
+            n = min(num_new_tokens(req), budget)
             if n <= 0:
                 i += 1
                 continue
@@ -218,7 +219,7 @@ class Scheduler:
                 break
             drafts = self._num_draft_slots(req, n, budget) if spec_on else 0
             n += drafts
-            while not self.kv.allocate_slots(req, n):
+            while not allocate(req, n):
                 if drafts:  # drop the drafts before preempting anyone for them
                     n, drafts = n - drafts, 0
                     continue
