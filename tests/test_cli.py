@@ -16,7 +16,28 @@ def forerun(*args: str, stdin: str | None = None, timeout: float = 240) -> subpr
 def test_generate_streams_the_default_model_answer():
     res = forerun("generate", "The capital of France is", "--max-tokens", "4")
     assert res.returncode == 0, res.stderr
-    assert "Paris" in res.stdout
+    assert "Paris" in res.stdout and res.stdout.endswith("\n")  # flushed in full before the quick exit
+
+
+def test_console_script_exits_normally_while_a_child_process_lives(monkeypatch):
+    """The quick exit skips interpreter teardown; with a child process still running it must not, so
+    that multiprocessing's exit handler still reaps it."""
+    import multiprocessing
+    import time
+
+    import pytest
+
+    from forerun.entrypoints import cli
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(30,), daemon=True)
+    child.start()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.run()
+        assert exit_info.value.code == 3
+    finally:
+        child.kill()
+        child.join()
 
 
 def test_chat_keeps_the_conversation(tiny_llama_dir):

@@ -72,7 +72,8 @@ def test_failed_conversion_leaves_no_cache(tiny_gguf: Path, tmp_path: Path,
         (out_dir / "config.json").write_text("{}")  # half-written output
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(model_source, "convert_gguf", crash)
+    from forerun.model import gguf_convert
+    monkeypatch.setattr(gguf_convert, "convert_gguf", crash)  # model_source imports it when converting
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model(str(tiny_gguf), show_progress=False)
     assert list((tmp_path / "cache").iterdir()) == []

@@ -14,7 +14,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from forerun.model.gguf_convert import convert_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +61,8 @@ def converted_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, target)
+        # Imported here: the gguf package takes about 0.2 s to import, and only a first start converts.
+        from forerun.model.gguf_convert import convert_gguf
         convert_gguf(gguf_path, scratch, show_progress)
         try:
             scratch.rename(target)
