@@ -60,6 +60,7 @@ def test_bench_throughput_compare_async_writes_trace_and_plot(tmp_path, tiny_lla
     result = json.loads(out.read_text())
     for mode in ("sync", "async"):
         assert result[mode]["output_tokens"] > 0 and 0 < result[mode]["busy_fraction"] <= 1
+        assert result[mode]["dead_tokens"] == 0  # ignore_eos: length stops never cost a dead token
         assert result[mode]["matmul_gflops"] > 0  # counted from the launched steps, kept only for a replay
     assert result["speedup_async_over_sync"] > 0
     events = json.loads(trace.read_text())["traceEvents"]
@@ -89,6 +90,7 @@ def test_bench_one_prompt_forward_only_and_profile(tmp_path, tiny_llama_dir):
     result = json.loads(out.read_text())
     run = result["async"]
     assert run["output_tokens"] == 6 and run["matmul_gflops"] > 0 and 0 < run["fraction_of_matmul_peak"]
+    assert run["busy_fraction"] is None  # no timeline unless asked for: the engine runs as a user runs it
     assert result["matmul_peak_gflops"] > 0 and result["forward_only"]["output_tok_per_s"] > 0
     # Each engine run is paired with the replay taken right after it; the share is the pairs' median.
     # (from unrounded throughputs: the reported ones are rounded to 0.01 tok/s)

@@ -76,15 +76,15 @@ def _warm_up(engine: LLMEngine, workload: Workload) -> None:
 
 
 def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_steps: bool = False) -> ModeRun:
-    """One engine, a short warm-up, then the whole workload timed (with `keep_steps`, a copy of every
-    step it launched, for a replay)."""
+    """One engine, a short warm-up, then the whole workload timed (with `keep_steps`, every step it
+    launched, for a replay; with `trace`, its step timeline, which costs both threads a little)."""
     config = dataclasses.replace(config, trace=trace)
     engine = LLMEngine(config, show_progress=False)
     try:
         _warm_up(engine, workload)
         if engine.trace is not None:
             engine.trace.events.clear()
-        steps0 = engine.core.scheduler.step_id
+        steps0, dead0 = engine.core.scheduler.step_id, engine.core.scheduler.num_dead_tokens
         spec0 = dataclasses.replace(engine.core.scheduler.spec_stats)
         record = record_steps(engine, keep_steps)
         start = time.perf_counter()
@@ -99,8 +99,8 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
             "total_tok_per_s": round((out_tokens + workload.num_prompt_tokens) / elapsed, 2),
             "output_tokens": out_tokens,
             "steps": engine.core.scheduler.step_id - steps0,
-            "busy_fraction": round(t.busy_fraction(), 4) if t else None,
-            "dead_tokens": t.dead_tokens() if t else None,
+            "busy_fraction": round(t.busy_fraction(), 4) if t else None,  # needs --trace or --plot
+            "dead_tokens": engine.core.scheduler.num_dead_tokens - dead0,
             "preemptions": engine.core.scheduler.num_preemptions,
         }
         if config.speculative_config is not None:
@@ -228,7 +228,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # taken per adjacent pair (these machines drift by up to 2x within minutes).
     for _ in range(args.repeat):
         for i, (name, cfg) in enumerate(_modes(config, args)):
-            run = run_mode(cfg, workload, keep_steps=i == 0 and (args.forward_only or bool(args.profile)))
+            # The timeline only when asked for: users run without it, and the replay runs without it.
+            run = run_mode(cfg, workload, trace=bool(args.trace or args.plot),
+                           keep_steps=i == 0 and (args.forward_only or bool(args.profile)))
             flops = matmul_flops(run.record.scheduled_tokens, run.result["output_tokens"], shapes)
             gflops = flops / run.result["elapsed_s"] / 1e9
             run.result["matmul_gflops"] = _sig(gflops)
