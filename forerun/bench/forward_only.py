@@ -1,7 +1,7 @@
 """The model alone: replay the steps an engine scheduled straight into its executor, with no engine.
 
 `record_steps` keeps every SchedulerOutput an engine launches (when a replay will need them);
-`replay` feeds the same list to a fresh engine's executor (forward, then sampling, per step) without
+`replay` feeds the same list to an engine's executor (forward, then sampling, per step) without
 scheduling, output processing or detokenizing. The worker is deterministic in what it is sent, so the
 replay runs exactly the same batch shapes: throughput over replay throughput is the share of time the
 engine's own work costs.
@@ -50,9 +50,10 @@ def record_steps(engine: LLMEngine, keep: bool) -> StepRecord:
 def replay(engine: LLMEngine, steps: list[SchedulerOutput]) -> float:
     """Seconds to run `steps` through `engine`'s executor, one forward and one sampling call each."""
     executor = engine.core.executor
+    execute = type(executor).execute_model  # the executor's own method, never a recording proxy
     start = time.perf_counter()
     for step in steps:
-        executor.execute_model(step)
+        execute(executor, step)
         executor.sample_tokens(None)
     return time.perf_counter() - start
 

@@ -65,6 +65,7 @@ class ModeRun:
     trace: StepTrace | None
     record: StepRecord
     matmul_peak_gflops: float
+    replay_s: float | None = None  # the same steps replayed forward-only on the same executor right after
 
 
 def _warm_up(engine: LLMEngine, workload: Workload) -> None:
@@ -75,9 +76,16 @@ def _warm_up(engine: LLMEngine, workload: Workload) -> None:
     _drain(engine, [workload.prompts[i] for i in warm], [workload.params[i] for i in warm])
 
 
-def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_steps: bool = False) -> ModeRun:
+def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_steps: bool = False,
+             replay_after: bool = False) -> ModeRun:
     """One engine, a short warm-up, then the whole workload timed (with `keep_steps`, every step it
-    launched, for a replay; with `trace`, its step timeline, which costs both threads a little)."""
+    launched, for a replay; with `trace`, its step timeline, which costs both threads a little).
+
+    With `replay_after`, the launched steps are then replayed forward-only on the same executor: the
+    same worker thread, OpenMP pool and memory, seconds after the engine run, so the pair differs only
+    by the engine's own work (separate engines differ by where their memory landed, and these machines
+    drift between runs a minute apart). The replay adds requests the worker already holds; it starts
+    those rows over, as after a preemption."""
     config = dataclasses.replace(config, trace=trace)
     engine = LLMEngine(config, show_progress=False)
     try:
@@ -105,8 +113,9 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
         }
         if config.speculative_config is not None:
             result["spec_decode"] = _spec_figures(spec0, engine.core.scheduler.spec_stats, result["steps"])
+        replay_s = replay(engine, record.steps) if replay_after else None
         peak = engine.core.executor.collective_rpc("matmul_peak_gflops")[0]
-        return ModeRun(result, t, record, peak)
+        return ModeRun(result, t, record, peak, replay_s)
     finally:
         engine.shutdown()
         gc.collect()
@@ -230,13 +239,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i, (name, cfg) in enumerate(_modes(config, args)):
             # The timeline only when asked for: users run without it, and the replay runs without it.
             run = run_mode(cfg, workload, trace=bool(args.trace or args.plot),
-                           keep_steps=i == 0 and (args.forward_only or bool(args.profile)))
+                           keep_steps=i == 0 and (args.forward_only or bool(args.profile)),
+                           replay_after=i == 0 and args.forward_only)
             flops = matmul_flops(run.record.scheduled_tokens, run.result["output_tokens"], shapes)
             gflops = flops / run.result["elapsed_s"] / 1e9
             run.result["matmul_gflops"] = _sig(gflops)
             run.result["fraction_of_matmul_peak"] = _sig(gflops / run.matmul_peak_gflops)
-            if args.forward_only and i == 0:
-                seconds, _ = run_forward_only(config, workload, run.record.steps)
+            if run.replay_s is not None:
+                seconds = run.replay_s
                 replays.append(seconds)
                 # tok/s over replay tok/s (elapsed_s is rounded to 1 ms, too coarse for a tiny run)
                 run.result["over_forward_only"] = round(
