@@ -61,6 +61,7 @@ def test_bench_throughput_compare_async_writes_trace_and_plot(tmp_path, tiny_lla
     for mode in ("sync", "async"):
         assert result[mode]["output_tokens"] > 0 and 0 < result[mode]["busy_fraction"] <= 1
         assert result[mode]["dead_tokens"] == 0  # ignore_eos: length stops never cost a dead token
+        assert 0 < result[mode]["engine_cpu_ms_per_step"] < result[mode]["elapsed_s"] * 1000
         assert result[mode]["matmul_gflops"] > 0  # counted from the launched steps, kept only for a replay
     assert result["speedup_async_over_sync"] > 0
     events = json.loads(trace.read_text())["traceEvents"]

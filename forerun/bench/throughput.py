@@ -95,9 +95,9 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
         steps0, dead0 = engine.core.scheduler.step_id, engine.core.scheduler.num_dead_tokens
         spec0 = dataclasses.replace(engine.core.scheduler.spec_stats)
         record = record_steps(engine, keep_steps)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         out_tokens = _drain(engine, workload.prompts, workload.params)
-        elapsed = time.perf_counter() - start
+        elapsed, engine_cpu = time.perf_counter() - start, time.thread_time() - cpu_start
         t = engine.trace
         result = {
             "async_scheduling": bool(config.async_scheduling),
@@ -107,6 +107,9 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
             "total_tok_per_s": round((out_tokens + workload.num_prompt_tokens) / elapsed, 2),
             "output_tokens": out_tokens,
             "steps": engine.core.scheduler.step_id - steps0,
+            # This thread runs the engine (scheduling, applying outputs, text); on a CPU its time is taken
+            # from the model's cores, so it is what the engine's share is made of.
+            "engine_cpu_ms_per_step": round(1000 * engine_cpu / max(1, engine.core.scheduler.step_id - steps0), 3),
             "busy_fraction": round(t.busy_fraction(), 4) if t else None,  # needs --trace or --plot
             "dead_tokens": engine.core.scheduler.num_dead_tokens - dead0,
             "preemptions": engine.core.scheduler.num_preemptions,
