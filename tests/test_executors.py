@@ -236,3 +236,30 @@ def test_ray_tp2_matches_uni(varied_llama_dir, reference, local_ray, async_, pp)
         time.sleep(0.2)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
+
+
+def test_uni_worker_thread_runs_below_the_engine_thread(tiny_llama_dir):
+    """On a CPU the model's thread (and the OpenMP threads it starts) run a step below the engine thread,
+    so the engine thread is never preempted by them while it holds the GIL the worker waits for."""
+    import torch
+
+    from forerun.config import EngineConfig
+    from forerun.engine.llm_engine import LLMEngine
+    from forerun.platform import MODEL_THREAD_NICE
+
+    def nice_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    engine_nice = nice_here()
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir)), show_progress=False)
+    try:
+        worker_nice = engine.core.executor._pool.submit(nice_here).result()
+        threads = engine.core.executor._pool.submit(torch.get_num_threads).result()
+        nices = [int(open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16])  # field 19
+                 for tid in os.listdir("/proc/self/task")]
+    finally:
+        engine.shutdown()
+    assert worker_nice == min(19, engine_nice + MODEL_THREAD_NICE)
+    assert nice_here() == engine_nice  # the engine thread itself is left as it was
+    if threads > 1:
+        assert nices.count(worker_nice) >= 2, "the worker's OpenMP threads inherit it"

@@ -8,6 +8,7 @@ from typing import Any
 
 from forerun.config import EngineConfig
 from forerun.executor.base import Executor
+from forerun.platform import lower_model_thread_priority
 from forerun.worker.worker import Worker
 
 
@@ -23,7 +24,8 @@ class UniExecutor(Executor):
     """
 
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
-        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="forerun-worker")
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix="forerun-worker", initializer=lower_model_thread_priority)
         self.worker = self._pool.submit(Worker, config, model_folder).result()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
