@@ -33,8 +33,9 @@ def lower_model_thread_priority() -> None:
     """
     if default_device().type != "cpu" or not sys.platform.startswith("linux"):
         return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MODEL_THREAD_NICE)
+    tid = threading.get_native_id()
+    try:  # relative to the engine thread's value, which the new thread started with
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + MODEL_THREAD_NICE))
     except OSError:
         pass  # not permitted in this sandbox or container: run at the same priority as before
 
