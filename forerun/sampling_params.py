@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from forerun.structured.spec import StructuredOutputsParams
@@ -106,6 +106,17 @@ class SamplingParams:
     def validate_token_ids(self, vocab_size: int) -> None:
         """Every token id these params carry must index a logit: checked once the vocabulary is known."""
         check_token_ids("stop_token_ids", self.stop_token_ids or (), vocab_size)
+
+
+def final_only(params: Sequence[SamplingParams]) -> list[SamplingParams]:
+    """Copies asking for one output per request, at its end (the caller's objects are left as they are;
+    one copy per distinct object): what `LLM.generate` and the offline bench need, with the text then
+    decoded once instead of every step."""
+    copies: dict[int, SamplingParams] = {}
+    for sp in params:
+        if id(sp) not in copies:
+            copies[id(sp)] = replace(sp, output_kind="final_only")
+    return [copies[id(sp)] for sp in params]
 
 
 def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int) -> None:

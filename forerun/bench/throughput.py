@@ -20,6 +20,7 @@ from forerun.core.scheduler import SpecDecodeStats
 from forerun.core.scheduler_output import SchedulerOutput
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.step_trace import StepTrace
+from forerun.sampling_params import final_only
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +102,7 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
         start, cpu_start = time.perf_counter(), time.thread_time()
         out_tokens = _drain(engine, workload.prompts, workload.params)
         elapsed, engine_cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+        steps = engine.core.scheduler.step_id - steps0
         t = engine.trace
         result = {
             "async_scheduling": bool(config.async_scheduling),
@@ -109,10 +111,10 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
             "output_tok_per_s": round(out_tokens / elapsed, 2),
             "total_tok_per_s": round((out_tokens + workload.num_prompt_tokens) / elapsed, 2),
             "output_tokens": out_tokens,
-            "steps": engine.core.scheduler.step_id - steps0,
+            "steps": steps,
             # This thread runs the engine (scheduling, applying outputs, text); on a CPU its time is taken
             # from the model's cores, so it is what the engine's share is made of.
-            "engine_cpu_ms_per_step": round(1000 * engine_cpu / max(1, engine.core.scheduler.step_id - steps0), 3),
+            "engine_cpu_ms_per_step": round(1000 * engine_cpu / max(1, steps), 3),
             "busy_fraction": round(t.busy_fraction(), 4) if t else None,  # needs --trace or --plot
             "dead_tokens": engine.core.scheduler.num_dead_tokens - dead0,
             "preemptions": engine.core.scheduler.num_preemptions,
@@ -223,7 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workload = with_structured_ratio(workload, args.structured_output_ratio, config.seed)
     # Offline, as `LLM.generate` runs it (and vLLM's throughput bench, through its LLM.generate): one
     # output per request, at the end.
-    workload = Workload(workload.prompts, [dataclasses.replace(p, output_kind="final_only") for p in workload.params])
+    workload = Workload(workload.prompts, final_only(workload.params))
     result: dict[str, Any] = {"model": str(config.model or "default"), "num_prompts": args.num_prompts,
                               "workload": args.workload, "input_len": args.input_len, "output_len": args.output_len,
                               "vary_lengths": args.vary_lengths, "eos": args.eos,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -12,7 +11,7 @@ from forerun.config import EngineConfig
 from forerun.engine.input_processor import Prompt
 from forerun.engine.llm_engine import LLMEngine
 from forerun.outputs import EmbeddingOutput, RequestOutput
-from forerun.sampling_params import SamplingParams
+from forerun.sampling_params import SamplingParams, final_only
 
 
 class LLM:
@@ -34,7 +33,7 @@ class LLM:
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """`priority`: one value per prompt (lower runs first), for an engine with scheduling_policy='priority'."""
         items = _as_prompt_list(prompts)
-        params = _final_only(_as_params_list(sampling_params, len(items)))
+        params = final_only(_as_params_list(sampling_params, len(items)))  # generate returns only those
         if priority is not None and (isinstance(priority, (int, str)) or len(priority) != len(items)):
             raise ValueError(f"priority: expected a list of {len(items)} integers, one per prompt")
         priorities = list(priority) if priority is not None else [0] * len(items)
@@ -119,16 +118,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts: expected a prompt or a non-empty list of prompts")
     return list(prompts)
-
-
-def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
-    """Copies asking for one output per request, at its end: all `generate` returns, and then the text is
-    decoded once instead of every step. The caller's objects are left as they are."""
-    copies: dict[int, SamplingParams] = {}
-    for sp in params:
-        if id(sp) not in copies:
-            copies[id(sp)] = dataclasses.replace(sp, output_kind="final_only")
-    return [copies[id(sp)] for sp in params]
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
