@@ -87,11 +87,39 @@ def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_calm(tmp_path, mon
     assert list(json.loads(cache.read_text()).values())[0][cpu_probe.BUSY] is False
 
 
-def test_damaged_cache_is_measured_again(tmp_path):
+DAMAGES = {
+    "missing field": lambda e: {k: v for k, v in e.items() if k != "linear_kernel"},
+    "extra field": lambda e: {**e, "threads": 4},
+    "unknown dtype": lambda e: {**e, "dtype": "float8"},
+    "unknown kernel": lambda e: {**e, "linear_kernel": "cublas"},
+    "wrong type of dtype": lambda e: {**e, "dtype": 32},
+    "wrong type of gflops": lambda e: {**e, "gflops": "fast"},
+    "wrong type in gflops": lambda e: {**e, "gflops": {"float32/aten": "12"}},
+    "not an object": lambda e: ["float32", "aten"],
+}
+
+
+@pytest.mark.parametrize("damage", ["unparsable", *DAMAGES])
+def test_damaged_cache_is_measured_again(tmp_path, monkeypatch, damage):
+    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)  # only the damage may force a measurement
     cache = tmp_path / "probe.json"
-    cache.write_text("{not json")
+    first = choose_kernels(SHAPES, 4, [torch.float32], None, cache)
+    if damage == "unparsable":
+        cache.write_text("{not json")
+    else:
+        (key, entry), = json.loads(cache.read_text()).items()
+        cache.write_text(json.dumps({key: DAMAGES[damage](entry)}))
+    calls = []
+    real = cpu_probe.measure
+    monkeypatch.setattr(cpu_probe, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
     choice = choose_kernels(SHAPES, 4, [torch.float32], None, cache)
-    assert choice.gflops and json.loads(cache.read_text())
+    assert calls == [1], "a damaged entry is measured again"
+    assert choice.gflops and set(choice.gflops) == set(first.gflops)
+    assert choice.torch_dtype == torch.float32 and f"float32/{choice.linear_kernel}" in choice.gflops
+    (entry,) = json.loads(cache.read_text()).values()
+    assert set(entry) == {"dtype", "linear_kernel", "gflops", cpu_probe.BUSY}, "the repaired entry replaced it"
+    monkeypatch.setattr(cpu_probe, "measure", lambda *a, **k: pytest.fail("the repaired entry was not used"))
+    assert choose_kernels(SHAPES, 4, [torch.float32], None, cache) == choice
 
 
 def test_bad_linear_kernel_names_the_field(tiny_llama_dir):

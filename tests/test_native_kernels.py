@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
+
 import pytest
 import torch
 
@@ -93,11 +96,48 @@ def test_decode_rows_of_one_block_next_to_a_longer_row(native):
     assert (got - want).abs().max().item() <= 1e-5
 
 
+def _reference_decode(q, k, v, cache, meta, scale):
+    """Decode-only attention written out per sequence in plain torch (no backend involved)."""
+    flat = cache.clone().flatten(1, 2)
+    flat[0][meta.slot_mapping] = k
+    flat[1][meta.slot_mapping] = v
+    group = q.shape[1] // k.shape[1]
+    rows = []
+    for i, seq_len in enumerate(meta.seq_lens):
+        pos = torch.arange(seq_len)
+        slots = meta.block_tables[i].long()[pos // meta.block_size] * meta.block_size + pos % meta.block_size
+        keys, values = (flat[j][slots].repeat_interleave(group, dim=1) for j in (0, 1))  # [s, heads, dim]
+        probs = torch.softmax(torch.einsum("hd,shd->hs", q[i], keys) * scale, dim=-1)
+        rows.append(torch.einsum("hs,shd->hd", probs, values).reshape(-1))
+    return torch.stack(rows)
+
+
+def _recording(backend: NativeDecodeBackend) -> list:
+    """Wrap the backend's C kernels so each call is recorded (and still runs)."""
+    calls: list = []
+
+    def wrap(fn):
+        return lambda *args: calls.append(args) or fn(*args)
+
+    backend.kernels = {dtype: wrap(fn) for dtype, fn in backend.kernels.items()}
+    return calls
+
+
 def test_unsupported_shapes_fall_back_to_stock_ops(native):
+    backend = NativeDecodeBackend(native.lib)
+    calls = _recording(backend)
+    # Control: a supported head_dim does reach the C kernel through the recorder.
+    q, k, v, cache, meta = _batch([1, 1], [5, 3], 4, 2, 16, torch.float32)
+    got = backend.forward(q, k, v, cache.clone(), meta, 0.3, None)
+    assert len(calls) == 1, "the recorder must see the C kernel's calls"
+    assert (got.reshape(2, -1) - _reference_decode(q, k, v, cache, meta, 0.3)).abs().max().item() <= 1e-5
+    calls.clear()
     q, k, v, cache, meta = _batch([1, 1], [5, 3], 4, 2, 12, torch.float32)  # head_dim 12: not a multiple of 8
-    want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.3, None)
-    got = native.forward(q, k, v, cache.clone(), meta, 0.3, None)
-    assert (got - want).abs().max().item() <= 1e-6
+    got = backend.forward(q, k, v, cache.clone(), meta, 0.3, None)
+    assert calls == [], "head_dim 12 must not be handed to the C kernel"
+    want = _reference_decode(q, k, v, cache, meta, 0.3)
+    assert got.numel() == want.numel()
+    assert (got.reshape(want.shape) - want).abs().max().item() <= 1e-5
 
 
 def test_engine_tokens_match_with_and_without_the_c_kernels(tiny_llama_dir):
@@ -167,3 +207,56 @@ def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
     monkeypatch.setattr(native_build, "HEADERS", native_build.HEADERS + [extra])
     assert native_build.load_native_library(cache) is not None
     assert len({p.name for p in cache.glob("*.so")} - first) == 1, "a stale library must not be reused"
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "forerun.model.native_build" and r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("cc", ["ccache gcc", "/nonexistent/bin/cc", None])
+def test_a_missing_compiler_warns_once_and_falls_back(tmp_path, monkeypatch, caplog, cc):
+    # An empty PATH: no ccache, cc or gcc to find ("ccache gcc" is a wrapper with an argument).
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    if cc is None:
+        monkeypatch.delenv("CC", raising=False)
+    else:
+        monkeypatch.setenv("CC", cc)
+    with caplog.at_level(logging.WARNING):
+        assert load_native_library(tmp_path / "kernels") is None
+    assert len(_warnings(caplog)) == 1, caplog.text
+    assert not list(tmp_path.rglob("*.so")), "nothing was built"
+
+
+def test_a_cache_folder_that_cannot_be_made_warns_once_and_falls_back(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with caplog.at_level(logging.WARNING):
+        assert load_native_library(blocker / "kernels") is None
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and str(blocker) in warnings[0], caplog.text
+
+
+def test_cc_with_arguments_is_split_like_a_shell(tmp_path, monkeypatch, caplog):
+    gcc = shutil.which("gcc")
+    assert gcc is not None, "gcc is on every machine of this project"
+    monkeypatch.setenv("CC", f"{gcc} -DFORERUN_CC_TAKES_ARGUMENTS=1")
+    with caplog.at_level(logging.WARNING):
+        lib = load_native_library(tmp_path / "kernels")
+    assert lib is not None and _warnings(caplog) == []
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+
+
+def test_engine_without_a_usable_compiler_starts_on_stock_ops(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[7, 8, 9] * 5, [300, 301]]
+    with LLM(model=str(tiny_llama_dir), dtype="float32", native_kernels=False, show_progress=False) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))  # no library built earlier can be found
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setenv("CC", "ccache gcc")
+    with caplog.at_level(logging.WARNING):
+        with LLM(model=str(tiny_llama_dir), dtype="float32", show_progress=False) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert len(_warnings(caplog)) == 1, caplog.text

@@ -1,8 +1,9 @@
 """Builds forerun's C kernels (`native/*.c`) at first use with the system compiler; loads them via ctypes.
 
 The kernels need no torch headers, so the build takes about a second (plain C, `-O3 -march=native
--fopenmp`). The library is cached by sources, flags and CPU. When no compiler is found or the build
-fails, `load_native_library` returns None and the model keeps its stock-PyTorch ops.
+-fopenmp`). The library is cached by sources, flags and CPU. When no compiler is found, the build
+fails or its cache folder cannot be written, `load_native_library` logs one warning and returns None,
+and the model keeps its stock-PyTorch ops.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 from contextlib import AbstractContextManager, nullcontext
@@ -60,34 +62,71 @@ def profiled(name: str) -> AbstractContextManager:
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
-def load_native_library(cache_root: Path) -> ctypes.CDLL | None:
-    """The compiled kernel library (built into `cache_root` when absent), or None when it cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler found: the model uses stock PyTorch ops only")
+def compiler_command() -> list[str] | None:
+    """The C compiler as an argument list: $CC split as a shell would (it may carry a wrapper or flags,
+    e.g. "ccache gcc"), else cc or gcc from PATH; None when its program is not installed."""
+    configured = os.environ.get("CC", "").strip()
+    try:
+        argv = shlex.split(configured) if configured else []
+    except ValueError:  # unbalanced quotes: no program can be named
+        logger.warning("CC=%r cannot be parsed: the model uses stock PyTorch ops only", configured)
         return None
-    digest = hashlib.sha1(" ".join([compiler, *CFLAGS, cpu_signature()]).encode())
+    if not argv:
+        found = shutil.which("cc") or shutil.which("gcc")
+        if found is None:
+            logger.warning("no C compiler found (cc, gcc or $CC): the model uses stock PyTorch ops only")
+            return None
+        return [found]
+    if shutil.which(argv[0]) is None:
+        logger.warning("the C compiler %r (CC=%r) is not installed: the model uses stock PyTorch ops only",
+                       argv[0], configured)
+        return None
+    return argv
+
+
+def load_native_library(cache_root: Path) -> ctypes.CDLL | None:
+    """The compiled kernel library (built into `cache_root` when absent), or None when it cannot be
+    built or loaded; each reason is logged as one warning, and the model then keeps its stock ops."""
+    compiler = compiler_command()
+    if compiler is None:
+        return None
+    digest = hashlib.sha1(" ".join([*compiler, *CFLAGS, cpu_signature()]).encode())
     for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     lib_path = cache_root / f"forerun-kernels-{digest.hexdigest()[:16]}.so"
-    if not lib_path.is_file():
-        cache_root.mkdir(parents=True, exist_ok=True)
-        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([compiler, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
+    if not lib_path.is_file() and not _build(compiler, lib_path):
+        return None
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+        exported = [(name + suffix, sig) for name, sig in SIGNATURES.items() for suffix in ("_f32", "_bf16")]
+        exported += [(name + "_f32", sig) for name, sig in SIGNATURES_F32.items()]
+        for symbol, (restype, argtypes) in exported:
+            fn = getattr(lib, symbol)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError) as exc:  # AttributeError: a library that lacks a kernel
+        logger.warning("loading %s failed (%s): using stock PyTorch ops", lib_path, exc)
+        return None
+    return lib
+
+
+def _build(compiler: list[str], lib_path: Path) -> bool:
+    """Compile the sources into `lib_path`; False (after one warning) when that cannot be done: the
+    cache folder cannot be made or written, the compiler cannot be started, or the build fails."""
+    tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([*compiler, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             logger.warning("building the C kernels failed, using stock PyTorch ops:\n%s", proc.stderr[-2000:])
             tmp.unlink(missing_ok=True)
-            return None
+            return False
         tmp.replace(lib_path)  # atomic: a concurrent start never loads half a file
-    try:
-        lib = ctypes.CDLL(str(lib_path))
     except OSError as exc:
-        logger.warning("loading %s failed (%s): using stock PyTorch ops", lib_path, exc)
-        return None
-    exported = [(name + suffix, sig) for name, sig in SIGNATURES.items() for suffix in ("_f32", "_bf16")]
-    exported += [(name + "_f32", sig) for name, sig in SIGNATURES_F32.items()]
-    for symbol, (restype, argtypes) in exported:
-        fn = getattr(lib, symbol)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+        logger.warning("cannot build the C kernels into %s (%s): using stock PyTorch ops", lib_path.parent, exc)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # the folder itself is unusable: there is nothing to clean up
+        return False
+    return True

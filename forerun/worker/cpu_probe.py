@@ -54,15 +54,18 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
     survives the noise of a shared machine.
     """
     flops = sum(2.0 * batch * k * n * count for k, n, count in shapes)
+    # Its own generator: the probe runs on rank 0 only and only when nothing is cached, so a draw from
+    # torch's global RNG would leave rank 0 (and a first start) sampling another stream than the rest.
+    gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         prepared = []
         for dtype, kernel in candidates:
             layers = []
             for k, n, count in shapes:
                 # Scaled like real weights: huge values would hit slow denormal/overflow paths.
-                w = (torch.rand(n, k) - 0.5).mul_(0.1).to(dtype)
+                w = (torch.rand(n, k, generator=gen) - 0.5).mul_(0.1).to(dtype)
                 fn = make_linear(w, None, kernel, batch, gemm)
-                x = torch.rand(batch, k).to(dtype)
+                x = torch.rand(batch, k, generator=gen).to(dtype)
                 fn(x)  # first call: allocation and kernel selection
                 layers.append((fn, x, count))
             prepared.append((f"{DTYPE_NAMES[dtype]}/{kernel}", layers))
@@ -107,9 +110,9 @@ def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[
     key = json.dumps([cpu_signature(), torch.__version__, torch.get_num_threads(), batch, shapes,
                       [(DTYPE_NAMES[d], k) for d, k in candidates], *([build] if build else [])])
     cache = _read(cache_file)
-    cached = _fresh(cache.get(key))
+    cached = _choice_from(_fresh(cache.get(key)), [f"{DTYPE_NAMES[d]}/{k}" for d, k in candidates])
     if cached is not None:
-        return KernelChoice(**cached)
+        return cached
     t0 = time.perf_counter()
     busy = machine_busy()
     gflops = measure(shapes, batch, candidates, gemm=gemm)
@@ -136,7 +139,7 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
     matmuls, per row count, up to the first row count where it loses (timed alternately, best round)."""
     total = sum(4 * k * n * count for k, n, count in shapes)
     speedup: dict[int, float] = {}
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # never the global RNG: see `measure`
     with torch.inference_mode():
         layers = []
         for k, n, count in shapes:
@@ -148,7 +151,7 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
                     return {}  # a shape the kernel does not take: the model keeps its fp32 matmuls
                 layers.append((k, count / copies, small, make_linear(compact.expand(), None, kernel, 64, gemm)))
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
-            xs = {k: torch.rand(rows, k) for k, _, _ in shapes}
+            xs = {k: torch.rand(rows, k, generator=gen) for k, _, _ in shapes}
             compact_s, fp32_s = best_rounds([[(small, xs[k], weight) for k, weight, small, _ in layers],
                                              [(large, xs[k], weight) for k, weight, _, large in layers]], rounds)
             speedup[rows] = fp32_s / compact_s
@@ -164,9 +167,9 @@ def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: Comp
     key = json.dumps(["gemv_compact", gemv.build, cpu_signature(), torch.__version__, torch.get_num_threads(),
                       max_rows, shapes, kernel, fmt])
     cache = _read(cache_file)
-    cached = _fresh(cache.get(key))
-    if cached is not None and isinstance(cached.get("speedup"), dict):
-        speedup = {int(r): float(v) for r, v in cached["speedup"].items()}
+    cached = _speedup_from(_fresh(cache.get(key)))
+    if cached is not None:
+        speedup = cached
     else:
         busy = machine_busy()
         speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows, gemm=gemm)
@@ -209,6 +212,36 @@ def _fresh(entry: dict | None) -> dict | None:
         logger.info("re-measuring a matmul choice that was timed while the machine was busy")
         return None
     return entry
+
+
+def _choice_from(entry: dict | None, candidates: list[str]) -> KernelChoice | None:
+    """The cached choice, or None (measure again) unless the entry has exactly KernelChoice's fields
+    with their types and names one of this probe's `candidates` ("dtype/kernel"): a damaged or
+    hand-edited file must cost a measurement, not the start."""
+    if entry is None or set(entry) != {"dtype", "linear_kernel", "gflops"}:
+        return None
+    dtype, kernel, gflops = entry["dtype"], entry["linear_kernel"], entry["gflops"]
+    if not (isinstance(dtype, str) and isinstance(kernel, str) and f"{dtype}/{kernel}" in candidates):
+        return None
+    if not isinstance(gflops, dict) or not all(isinstance(n, str) and _is_number(g) for n, g in gflops.items()):
+        return None
+    return KernelChoice(dtype, kernel, {n: float(g) for n, g in gflops.items()})
+
+
+def _speedup_from(entry: dict | None) -> dict[int, float] | None:
+    """The cached GEMV speed-ups by row count, or None (measure again) when the entry is damaged."""
+    if entry is None or set(entry) != {"speedup"} or not isinstance(entry["speedup"], dict):
+        return None
+    speedup = {}
+    for rows, value in entry["speedup"].items():
+        if not (isinstance(rows, str) and rows.isdigit() and int(rows) in GEMV_ROWS and _is_number(value)):
+            return None
+        speedup[int(rows)] = float(value)
+    return speedup
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _read(path: Path | None) -> dict:

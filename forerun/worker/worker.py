@@ -235,6 +235,10 @@ class Worker:
                                               act_dtype=self.dtype, share_timing=self.config.trace)
         else:
             self.runner = ModelRunner(*args, spec=SpeculativeConfig.from_value(self.config.speculative_config))
+        # Sampling without a per-request seed draws from torch's global RNG, and every tensor-parallel rank
+        # must draw the same numbers (each feeds its own sampled token to the next step). Seeding again
+        # now, after all setup, makes the stream independent of whatever ran on one rank or one start only.
+        torch.manual_seed(self.config.seed)
         logger.info("rank %d: KV cache of %d blocks x %d tokens", self.rank, num_blocks, self.config.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
