@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,68 @@ def save_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: i
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+def _is_ray_process(proc) -> bool:
+    """Ray's own daemons and its idle worker pool live for a whole module's `local_ray` fixture."""
+    import psutil
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "ray" in cmd and ("raylet" in cmd or "gcs_server" in cmd or "ray::" in cmd
+                             or "default_worker" in cmd or "dashboard" in cmd or "ray/_private" in cmd)
+
+
+def _new_live_children(before: set[int]) -> list:
+    import psutil
+    out = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.pid in before or c.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "resource_tracker" in " ".join(c.cmdline()) or _is_ray_process(c):
+                continue
+            out.append(c)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def reap_children():
+    """Kill what a test started and left alive, even when the test failed, so that one failure does not
+    turn into failed child counts and unplaceable Ray bundles in every later test. A test that must
+    prove its own clean shutdown asserts that itself; this only keeps the rest of the run honest."""
+    import psutil
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    yield
+    left = _new_live_children(before)
+    if not left:
+        return
+    deadline = time.monotonic() + 3  # a shutdown that is still under way gets a moment to finish
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _new_live_children(before)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+
+
+@pytest.fixture
+def track_llm():
+    """`track_llm(LLM(...))` returns the engine and shuts it down when the test ends, passed or failed."""
+    made: list = []
+
+    def track(llm):
+        made.append(llm)
+        return llm
+
+    try:
+        yield track
+    finally:
+        for llm in made:
+            llm.shutdown()

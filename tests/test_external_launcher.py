@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Hello", "The capital of France is a city that",
            "One two three four five six seven eight nine ten eleven twelve", "Why"]
 
-# The end of every rank script: a sync and then an async engine in one process (the second reuses the
+# The end of every rank script (fp32: TP 2 sums in another order than TP 1, which changes bf16 tokens):
+# a sync and then an async engine in one process (the second reuses the
 # process group, which the engine leaves to the script) run `requests()`, and both outputs go to
 # this rank's own file.
 RUN_BOTH_MODES = textwrap.dedent("""
@@ -30,7 +31,7 @@ RUN_BOTH_MODES = textwrap.dedent("""
     for mode in ("sync", "async"):
         llm = LLM(model=model, distributed_executor_backend="external_launcher",
                   tensor_parallel_size=int(os.environ["WORLD_SIZE"]), async_scheduling=mode == "async",
-                  show_progress=False)
+                  dtype="float32", show_progress=False)
         prompts, params = requests()
         outs = llm.generate(prompts, params, use_tqdm=False)
         result[mode] = [list(o.outputs[0].token_ids) for o in outs]
@@ -116,7 +117,7 @@ def varied_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 def test_torchrun_tp2_matches_uni_sync_and_async(varied_llama_dir, tmp_path):
     with LLM(model=str(varied_llama_dir), distributed_executor_backend="uni", async_scheduling=False,
-             show_progress=False) as llm:
+             dtype="float32", show_progress=False) as llm:
         ref = [list(o.outputs[0].token_ids)
                for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)]
     script = tmp_path / "rank_script.py"
@@ -135,7 +136,7 @@ def test_torchrun_tp2_structured_grammars_ready_at_different_times_on_each_rank(
         sys.modules.pop("structured_requests", None)
     prompts, params = requests()
     with LLM(model=str(varied_llama_dir), distributed_executor_backend="uni", async_scheduling=False,
-             show_progress=False) as llm:
+             dtype="float32", show_progress=False) as llm:
         ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(ref), "every request produced tokens"
     script = tmp_path / "rank_script.py"

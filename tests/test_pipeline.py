@@ -54,7 +54,7 @@ def generate(llm: LLM, prompts: list[str] = PROMPTS) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(pp_model_dir) -> list[list[int]]:
     with LLM(model=str(pp_model_dir), distributed_executor_backend="uni", async_scheduling=False,
-             show_progress=False) as llm:
+             dtype="float32", show_progress=False) as llm:
         outs = generate(llm)
     assert len({tuple(t) for t in outs}) == len(PROMPTS) and all(len(set(t)) > 4 for t in outs)
     return outs
@@ -129,14 +129,14 @@ def test_bad_settings_name_the_field(pp_model_dir):
     with pytest.raises(ValueError, match="pipeline_parallel_size: pipeline stages serve generation"):
         EngineConfig(pipeline_parallel_size=2, runner="pooling").validate()
     with pytest.raises(ValueError, match="pipeline_parallel_size: 4 stages for 3 layers"):
-        LLM(model=str(pp_model_dir), pipeline_parallel_size=4, show_progress=False)
+        LLM(model=str(pp_model_dir), pipeline_parallel_size=4, dtype="float32", show_progress=False)
     assert live_children() == []  # refused before any worker started
     args = add_engine_args(argparse.ArgumentParser()).parse_args(["--pipeline-parallel-size", "2", "-tp", "2"])
     config = engine_config_from_args(args)
     assert (config.pipeline_parallel_size, config.world_size, config.distributed_executor_backend) == (2, 4, "mp")
 
 
-# ---- end to end ------------------------------------------------------------------------------------
+# ---- end to end (fp32: chunks and stages change a batch's shape, and with it bf16 tokens) ------------
 def _stage_overlaps(events) -> int:
     """Steps N for which stage 0 began step N+1's forward before stage 1 finished step N's forward."""
     fwd = {(e.thread, e.step): e for e in events if e.name == "forward"}
@@ -146,9 +146,9 @@ def _stage_overlaps(events) -> int:
 
 
 @pytest.mark.parametrize("pp,async_", [(2, False), (2, True)], ids=["pp2-sync", "pp2-async"])
-def test_pp_matches_uni_with_chunking_and_preemption(pp_model_dir, reference, pp, async_):
-    llm = LLM(model=str(pp_model_dir), pipeline_parallel_size=pp, async_scheduling=async_, trace=True,
-              show_progress=False, **STRESS)
+def test_pp_matches_uni_with_chunking_and_preemption(pp_model_dir, reference, pp, async_, track_llm):
+    llm = track_llm(LLM(model=str(pp_model_dir), pipeline_parallel_size=pp, async_scheduling=async_, trace=True,
+                        dtype="float32", show_progress=False, **STRESS))
     core = llm.engine.core
     assert len(live_children()) == pp and core.queue_depth == pp + async_
     assert generate(llm) == reference
@@ -164,18 +164,19 @@ def test_pp_matches_uni_with_chunking_and_preemption(pp_model_dir, reference, pp
     assert_clean()
 
 
-def test_pp2_tp2_async_matches_uni(pp_model_dir, reference):
+def test_pp2_tp2_async_matches_uni(pp_model_dir, reference, track_llm):
     """Four ranks: two stages of two tensor-parallel ranks, each stage with its own TP group."""
-    llm = LLM(model=str(pp_model_dir), pipeline_parallel_size=2, tensor_parallel_size=2, async_scheduling=True,
-              show_progress=False, max_num_batched_tokens=8)
+    llm = track_llm(LLM(model=str(pp_model_dir), pipeline_parallel_size=2, tensor_parallel_size=2,
+                        async_scheduling=True, dtype="float32", show_progress=False, max_num_batched_tokens=8))
     assert len(live_children()) == 4 and llm.engine.core.executor.output_rank == 2
     assert generate(llm) == reference
     llm.shutdown()
     assert_clean()
 
 
-def test_killed_stage_ends_every_request_with_an_error(pp_model_dir):
-    llm = LLM(model=str(pp_model_dir), pipeline_parallel_size=2, async_scheduling=True, show_progress=False)
+def test_killed_stage_ends_every_request_with_an_error(pp_model_dir, track_llm):
+    llm = track_llm(LLM(model=str(pp_model_dir), pipeline_parallel_size=2, async_scheduling=True,
+                        dtype="float32", show_progress=False))
     victim = llm.engine.core.executor.procs[0].pid  # the first stage: the last one then waits forever
     killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
     t0 = time.monotonic()
@@ -204,7 +205,7 @@ def test_pp3_async_structured_output_matches_uni(pp_model_dir):
     outs = {}
     for name, kw in {"uni": dict(distributed_executor_backend="uni", async_scheduling=False),
                      "pp3": dict(pipeline_parallel_size=3, async_scheduling=True, trace=True)}.items():
-        with LLM(model=str(pp_model_dir), show_progress=False, max_num_batched_tokens=8, **kw) as llm:
+        with LLM(model=str(pp_model_dir), dtype="float32", show_progress=False, max_num_batched_tokens=8, **kw) as llm:
             outs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
             if name == "pp3":
                 events = llm.engine.core.trace.events
