@@ -13,6 +13,8 @@ import torch
 from conftest import save_tiny_model
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig, SpeculativeConfig
+from forerun.core.scheduler import SpecDecodeStats
+from forerun.engine.tokenizer import Tokenizer
 from forerun.worker.ngram_proposer import NgramProposer
 from forerun.worker.sampler import Sampler
 from forerun.worker.sampling_metadata import SamplingMetadata
@@ -189,7 +191,7 @@ def test_acceptance_in_async_within_two_points_of_sync(loopy_dir):
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
-def test_stops_inside_an_accepted_run_are_exact(loopy_dir, async_mode):
+def test_stops_and_lengths_on_random_outputs_are_exact(loopy_dir, async_mode):
     ids = prompts(4, seed=2)
     full, _, _, _ = run(loopy_dir, ids, GREEDY, async_scheduling=async_mode)
     # Stop at a token in the middle of each output; and max_tokens cut at every length up to 9.
@@ -205,6 +207,170 @@ def test_stops_inside_an_accepted_run_are_exact(loopy_dir, async_mode):
         got, _, _, outs = run(loopy_dir, ids, params, async_scheduling=async_mode, speculative_config=SPEC)
         assert got == [t[:m] for t in full], m
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("output_kind", ["cumulative", "final_only"])
+def test_output_processor_cuts_a_run_at_its_stop_string(smollm2_dir, output_kind):
+    """A step that brings several ids at once (accepted drafts) and completes a stop string in the middle
+    keeps the ids and logprobs up to the one that completed it, exactly as one id per step does."""
+    from forerun.engine.output_processor import OutputProcessor
+    from forerun.outputs import EngineCoreOutput
+    tok = Tokenizer.from_folder(smollm2_dir)
+    prompt = tok.encode("a b c", add_special_tokens=False)
+    run_ids = tok.encode(" d e f g", add_special_tokens=False)
+    assert len(run_ids) == 4
+    params = SamplingParams(temperature=0.0, stop=["e f"], logprobs=0, output_kind=output_kind)
+    results = {}
+    for split in ([run_ids], [[t] for t in run_ids]):  # one step of four ids, then four steps of one
+        proc = OutputProcessor(tok)
+        proc.add("r", None, prompt, params, ["r"])
+        aborted, out = [], None
+        for ids in split:
+            if out is not None and out.finished:
+                break
+            lps = [{t: -0.5 - i} for i, t in enumerate(ids)]
+            outs, to_abort = proc.process([EngineCoreOutput("r", list(ids), lps)])
+            aborted += to_abort
+            out = outs[0] if outs else out
+        c = out.outputs[0]
+        results[len(split)] = (list(c.token_ids), c.text, len(c.logprobs), c.finish_reason, c.stop_reason, aborted)
+    assert results[1] == ([*run_ids[:3]], " d ", 3, "stop", "e f", ["r"])
+    assert results[4][:5] == results[1][:5]
+
+
+# A pattern SmolLM2 copies on (" d e f g a b c d e f g ..."), whose n-gram drafts from the prompt are
+# accepted three at a time: the output comes in runs [d] [e f g a] [b c d e] ... in both modes.
+PATTERN = "a b c d e f g a b c d e f g a b c d e f g a b c"
+
+
+@pytest.fixture(scope="module")
+def pattern_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """The bundled SmolLM2 (weights linked, not copied) with " f" as an end-of-sequence token, so that
+    EOS, like a stop token id, a stop string and max_tokens, can be placed on a token inside an
+    accepted run of PATTERN's continuation."""
+    out = tmp_path_factory.mktemp("pattern-eos")
+    for item in smollm2_dir.iterdir():
+        if item.name not in ("config.json", "generation_config.json"):
+            (out / item.name).symlink_to(item)
+    f_id = _single_token(Tokenizer.from_folder(smollm2_dir), " f")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((smollm2_dir / name).read_text()) if (smollm2_dir / name).exists() else {}
+        config["eos_token_id"] = f_id
+        (out / name).write_text(json.dumps(config))
+    return out
+
+
+def _single_token(tokenizer: Tokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def _stop_cases(tokenizer: Tokenizer) -> dict[str, SamplingParams]:
+    """Each stop lands on an accepted draft with more tokens after it in the same step (max_tokens: on
+    the last token of a run with accepted drafts), for n = 1 and 2, streamed and final-only."""
+    b_id = _single_token(tokenizer, " b")
+    kinds = {
+        "eos": dict(),                                         # " f", output token 2, in run [e f g a]
+        "stop_token_ids": dict(stop_token_ids=[b_id], ignore_eos=True),  # " b", token 5, in [b c d e]
+        "stop": dict(stop=[" c"], ignore_eos=True),            # token 6, in [b c d e]
+        "stop-two-tokens": dict(stop=["e f g"], include_stop_str_in_output=True, ignore_eos=True),
+        "max_tokens=3": dict(max_tokens=3, ignore_eos=True),   # runs [d] [e f]: the cap leaves one draft
+        "max_tokens=7": dict(max_tokens=7, ignore_eos=True),   # runs [d] [e f g a] [b c]
+    }
+    cases = {}
+    for name, kw in kinds.items():
+        for n in (1, 2):
+            for output_kind in ("cumulative", "final_only"):
+                params = dict(temperature=0.0, max_tokens=16, logprobs=1, n=n, output_kind=output_kind)
+                params.update(kw)
+                cases[f"{name}/n={n}/{output_kind}"] = SamplingParams(**params)
+    return cases
+
+
+def _drive(folder: Path, async_mode: bool, spec: dict | None) -> tuple[dict, dict, SpecDecodeStats]:
+    """Runs PATTERN under every stop case in one engine, stepping it by hand so streamed outputs are
+    seen. Returns per case its final completions (ids, text, finish and stop reason, logprobs), whether
+    every streamed delta added up to them, and per completion the tokens each step sampled for it."""
+    cases = _stop_cases(Tokenizer.from_folder(folder))
+    with LLM(model=str(folder), dtype="float32", show_progress=False, async_scheduling=async_mode,
+             speculative_config=spec) as llm:
+        engine, sched = llm.engine, llm.engine.core.scheduler
+        sampled: dict[str, list[list[int]]] = {}
+        append = sched._append_tokens
+
+        def recording(req, tokens, result, rid):
+            sampled.setdefault(rid, []).append(list(tokens))
+            return append(req, tokens, result, rid)
+
+        sched._append_tokens = recording
+        names, children = {}, {}
+        for name, params in cases.items():
+            rid = engine.add_request(PATTERN, params)
+            names[rid] = name
+            children[name] = engine.outputs.child_ids(rid)
+        streamed = {name: [([], "") for _ in range(p.n)] for name, p in cases.items()}
+        emitted = {name: 0 for name in cases}
+        final = {}
+        while engine.has_unfinished_requests() or engine.core.batch_queue:
+            for out in engine.step():
+                name = names[out.request_id]
+                emitted[name] += 1
+                streamed[name] = [(ids + list(c.delta_token_ids), text + c.delta_text)
+                                  for (ids, text), c in zip(streamed[name], out.outputs)]
+                if out.finished:
+                    final[name] = [(list(c.token_ids), c.text, c.finish_reason, c.stop_reason, list(c.logprobs))
+                                   for c in out.outputs]
+        free, total = sched.kv.num_free_blocks, engine.core.num_blocks
+        stats = sched.spec_stats
+    assert free == total, "blocks leaked"
+    for name, params in cases.items():
+        assert name in final, name
+        if params.output_kind == "final_only":
+            assert emitted[name] == 1, name  # one output, at the end, its deltas holding everything
+        assert streamed[name] == [(ids, text) for ids, text, *_ in final[name]], name
+    runs = {name: [sampled[cid] for cid in cids] for name, cids in children.items()}
+    return final, runs, stats
+
+
+@pytest.fixture(scope="module")
+def plain_pattern_outputs(pattern_dir):
+    final, runs, _ = _drive(pattern_dir, False, None)
+    assert all(len(step) == 1 for per_case in runs.values() for steps in per_case for step in steps)
+    return final
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_stops_inside_an_accepted_run_are_exact(pattern_dir, plain_pattern_outputs, async_mode):
+    """EOS, a stop token id, stop strings and max_tokens that land inside a run of accepted drafts cut the
+    output at exactly the token plain decoding stops at: same ids, logprobs (so usage), text, reasons."""
+    final, runs, stats = _drive(pattern_dir, async_mode, SPEC)
+    assert stats.num_accepted_tokens > 0
+    want = plain_pattern_outputs
+    assert want["eos/n=1/cumulative"][0][2:4] == ("stop", None)
+    assert want["stop_token_ids/n=1/cumulative"][0][0][-1] == want["stop_token_ids/n=1/cumulative"][0][3]
+    assert want["stop/n=1/cumulative"][0][1:4] == (" d e f g a b", "stop", " c")
+    assert want["stop-two-tokens/n=1/cumulative"][0][1:4] == (" d e f g", "stop", "e f g")
+    assert [len(want[f"max_tokens={m}/n=1/cumulative"][0][0]) for m in (3, 7)] == [3, 7]
+    for name, completions in final.items():
+        assert len(completions) == len(want[name]), name
+        for (ids, text, reason, stop_reason, lps), (w_ids, w_text, w_reason, w_stop, w_lps), steps in zip(
+                completions, want[name], runs[name]):
+            assert (ids, text, reason, stop_reason) == (w_ids, w_text, w_reason, w_stop), name
+            assert len(lps) == len(ids), name
+            for got_lp, want_lp in zip(lps, w_lps):
+                assert got_lp.keys() == want_lp.keys(), name
+                for tok in got_lp:
+                    assert abs(_value(got_lp[tok]) - _value(want_lp[tok])) < 1e-3, name
+            # By construction, checked: the step that made the last kept token sampled it with others (it
+            # accepted drafts), and for a stop also sampled tokens past it that the output dropped.
+            ends = np.cumsum([len(s) for s in steps])
+            stop_step = int(np.searchsorted(ends, len(ids)))  # the step whose run holds token len(ids) - 1
+            assert len(steps[stop_step]) > 1, (name, steps)
+            if name.startswith("max_tokens"):
+                assert ends[stop_step] == len(ids), (name, steps)
+            else:
+                assert ends[stop_step] > len(ids), (name, steps)
 
 
 def test_max_model_len_is_exact(loopy_dir):

@@ -84,6 +84,23 @@ class IncrementalDetokenizer:
         self._ids.extend(new_token_ids)
         return self._release(self._decode_new())
 
+    def update_until_stop(self, new_token_ids: Sequence[int]) -> tuple[str, int]:
+        """Feed ids that arrived together (accepted drafts); return the visible text and how many of the
+        ids belong to the output: all of them, unless a stop string is hit, then those up to and
+        including the one that completed it.
+
+        With stop strings the ids go in one at a time, exactly as one-token steps would feed them, so a
+        stop string ends the output at the same token (with the same text) as it does without drafts.
+        """
+        if not self._stops or len(new_token_ids) <= 1:
+            return self.update(new_token_ids), len(new_token_ids)
+        parts: list[str] = []
+        for i, tok in enumerate(new_token_ids):
+            parts.append(self.update((tok,)))
+            if self._stop_reason is not None:
+                return "".join(parts), i + 1
+        return "".join(parts), len(new_token_ids)
+
     def flush(self) -> str:
         """Release text still held back, for a request that ended for another reason (EOS,
         length): the tail of a partial stop string and any incomplete character."""

@@ -122,11 +122,11 @@ class OutputProcessor:
     def _apply(self, comp: _Completion, co: EngineCoreOutput, to_abort: list[str]) -> None:
         out = comp.out
         new_ids = co.new_token_ids
-        out.token_ids.extend(new_ids)
-        if out.logprobs is not None and co.new_logprobs:
-            out.logprobs.extend(co.new_logprobs)
         detok = comp.detok
-        if comp.deferred:  # nobody reads the text before the end
+        if comp.deferred:  # nobody reads the text before the end; without stop strings the core cut the ids
+            out.token_ids.extend(new_ids)
+            if out.logprobs is not None and co.new_logprobs:
+                out.logprobs.extend(co.new_logprobs)
             if co.finish_reason is not None:
                 if out.token_ids:
                     detok.update(out.token_ids)
@@ -134,8 +134,16 @@ class OutputProcessor:
                 out.text = detok.text
                 out.finish_reason, out.stop_reason, out.error = co.finish_reason, co.stop_reason, co.error
             return
+        # Several ids arrive at once when drafts were accepted: a stop string completed by one of them ends
+        # the output there, so the ids (and logprobs, and so the usage count) after it are dropped, as
+        # one-token steps would never have produced them.
+        delta, kept = detok.update_until_stop(new_ids) if new_ids else ("", 0)
+        if kept < len(new_ids):
+            new_ids = new_ids[:kept]
+        out.token_ids.extend(new_ids)
+        if out.logprobs is not None and co.new_logprobs:
+            out.logprobs.extend(co.new_logprobs[:kept])
         out.delta_token_ids = list(new_ids)
-        delta = detok.update(new_ids) if new_ids else ""
         if detok.stop_reason is not None:
             out.finish_reason, out.stop_reason = "stop", detok.stop_reason
             if co.finish_reason is None:
