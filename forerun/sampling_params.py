@@ -43,6 +43,17 @@ class SamplingParams:
     output_kind: str = "cumulative"
     # A dict of StructuredOutputsParams' fields is accepted and converted.
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to that token's logit before any
+    # sampling step, greedy included (-100 in practice bans the token, +100 in practice forces it).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these ids may be sampled (non-empty).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: never generated. Each word is banned with and without a leading space; a word of
+    # several tokens bans its last token only right after the generated tokens spelled its other ones.
+    bad_words: list[str] | None = None
+    # The token ids the engine bans as words: filled from `bad_words` when the request is submitted
+    # (ids given here directly are banned too).
+    bad_words_token_ids: list[list[int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,6 +71,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def uses_logit_controls(self) -> bool:
+        """Whether the worker must edit this request's logits for logit_bias, allowed_token_ids or bad words."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
@@ -102,10 +118,39 @@ class SamplingParams:
                    f"expected StructuredOutputsParams or a dict of its fields, got "
                    f"{type(self.structured_outputs).__name__}")
             self.structured_outputs.validate()
+        self._validate_logit_controls()
+
+    def _validate_logit_controls(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words and their ids; logit_bias is normalised to {int: float}."""
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias",
+                   f"expected a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            bias: dict[int, float] = {}
+            for tok, value in self.logit_bias.items():
+                _check(_is_int(tok) and tok >= 0, "logit_bias", f"keys must be token ids (integers >= 0), got {tok!r}")
+                # As OpenAI: a bias outside [-100, 100] is refused rather than clamped.
+                _check(_is_number(value) and -100.0 <= value <= 100.0, "logit_bias",
+                       f"bias for token {tok} must be a number in [-100, 100], got {value!r}")
+                bias[tok] = float(value)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0
+                   and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                   "must be a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                   "bad_words", "must be a list of strings, each with some non-space character")
+        if self.bad_words_token_ids is not None:
+            _check(isinstance(self.bad_words_token_ids, list) and all(
+                isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids),
+                "bad_words", "token ids must be a list of non-empty lists of token ids (integers >= 0)")
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Every token id these params carry must index a logit: checked once the vocabulary is known."""
         check_token_ids("stop_token_ids", self.stop_token_ids or (), vocab_size)
+        check_token_ids("logit_bias", list(self.logit_bias or ()), vocab_size)
+        check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
+        check_token_ids("bad_words", [t for w in self.bad_words_token_ids or () for t in w], vocab_size)
 
 
 def final_only(params: Sequence[SamplingParams]) -> list[SamplingParams]:
@@ -135,6 +180,14 @@ def _structured_from_dict(spec: dict[str, Any]) -> StructuredOutputsParams:
     unknown = sorted(set(spec) - set(known), key=str)
     _check(not unknown, "structured_outputs", f"unknown field(s) {unknown}; expected one of {', '.join(known)}")
     return StructuredOutputsParams(**spec)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
 def _check(ok: bool, name: str, message: str) -> None:

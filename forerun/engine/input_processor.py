@@ -54,6 +54,9 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         check_priority(priority, self.scheduling_policy)
         params.validate()
+        if params.bad_words:
+            # A copy, so the caller's params never carry one tokenizer's ids to another engine.
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(params))
         params.validate_token_ids(self.vocab_size)
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
@@ -74,6 +77,19 @@ class InputProcessor:
             children.append(EngineCoreRequest(child_id(request_id, i), ids, child, eos, now, priority=priority))
         return text, ids, children
 
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """The token sequences to ban for `params.bad_words` (plus any ids it already carries).
+
+        Each word is encoded as it starts a text and after a space, since BPE vocabularies spell the two
+        with different tokens ("Paris" vs " Paris"); duplicates and empty encodings are dropped."""
+        seqs: dict[tuple[int, ...], None] = {tuple(w): None for w in params.bad_words_token_ids or ()}
+        for word in params.bad_words or ():
+            bare = word.lstrip()
+            for text in (bare, " " + bare):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    seqs[ids] = None
+        return [list(ids) for ids in seqs]
 
     def process_pooling(self, request_id: str, prompt: Prompt) -> tuple[str | None, list[int], EngineCoreRequest]:
         """One pooling request: the whole prompt is the input; nothing is generated."""

@@ -10,6 +10,36 @@ import torch
 from forerun.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class LogitControls:
+    """One request's logit_bias, allowed_token_ids and bad words as the worker applies them.
+
+    Invariants: every id is inside the vocabulary (checked when the request was submitted); `banned`
+    holds the one-token bad words (banned at every step), `banned_after` the longer ones as
+    (prefix, last): `last` is banned exactly when the row's output so far ends with `prefix`.
+    """
+
+    bias_ids: np.ndarray  # [N] int64
+    bias_values: np.ndarray  # [N] float32
+    allowed: np.ndarray | None  # [M] int64; None: every token allowed
+    banned: np.ndarray  # [K] int64
+    banned_after: tuple[tuple[tuple[int, ...], int], ...]
+
+    @classmethod
+    def from_params(cls, sp: SamplingParams | None) -> LogitControls | None:
+        """None when the request uses none of them, so rows without controls cost nothing per step."""
+        if sp is None or not sp.uses_logit_controls:
+            return None
+        bias = sp.logit_bias or {}
+        words = sp.bad_words_token_ids or []
+        return cls(bias_ids=np.fromiter(bias.keys(), np.int64, len(bias)),
+                   bias_values=np.fromiter(bias.values(), np.float32, len(bias)),
+                   allowed=None if sp.allowed_token_ids is None else np.unique(
+                       np.asarray(sp.allowed_token_ids, np.int64)),
+                   banned=np.unique(np.asarray([w[0] for w in words if len(w) == 1], np.int64)),
+                   banned_after=tuple((tuple(w[:-1]), w[-1]) for w in words if len(w) > 1))
+
+
 @dataclass
 class RowState:
     """Worker-side state of one request.
@@ -30,6 +60,7 @@ class RowState:
     generator: torch.Generator | None = None
     last_pending: bool = False
     output_token_ids: list[int] = field(default_factory=list)
+    controls: LogitControls | None = None
 
 
 class InputBatch:
@@ -55,6 +86,8 @@ class InputBatch:
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.states: dict[str, RowState] = {}
         self.generators: dict[str, torch.Generator] = {}
+        # Requests with logit controls: while empty, building a step's sampling inputs skips them.
+        self.controlled: set[str] = set()
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, sp: SamplingParams | None,
             eos_token_ids: frozenset[int], block_ids: list[int], num_computed_tokens: int,
@@ -84,6 +117,9 @@ class InputBatch:
                     gen.manual_seed(sp.seed)
                     self.generators[req_id] = gen
                 state.generator = gen
+            state.controls = LogitControls.from_params(sp)
+            if state.controls is not None:
+                self.controlled.add(req_id)
         self.states[req_id] = state
         return state
 
@@ -99,6 +135,7 @@ class InputBatch:
         if finished:
             self.generators.pop(req_id, None)
         state = self.states.pop(req_id, None)
+        self.controlled.discard(req_id)
         if state is not None:
             self.free_rows.append(state.row)
 

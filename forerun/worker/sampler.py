@@ -1,10 +1,12 @@
 """Batched token sampling: masks, penalties, logprobs, greedy and seeded random sampling.
 
 Order of operations for one step (all math in float32):
-  1. bad_token_mask and min_tokens masking (tokens set to -inf),
-  2. penalties (repetition, then frequency and presence),
-  3. logprobs from log_softmax of those logits,
-  4. greedy rows: argmax; random rows: temperature, top-k, top-p, min-p, then an
+  1. logit_bias added,
+  2. bad_token_mask (grammar) and min_tokens masking (tokens set to -inf), then the
+     allowed_token_ids / bad-words bans (skipped for a row they would leave empty),
+  3. penalties (repetition, then frequency and presence),
+  4. logprobs from log_softmax of those logits,
+  5. greedy rows: argmax; random rows: temperature, top-k, top-p, min-p, then an
      inverse-CDF draw (one uniform number per row against the cumulative probabilities).
 
 Nothing here loops over rows in Python except drawing from per-request seeded
@@ -62,12 +64,17 @@ class Sampler:
                              logprob_token_ids=ids, sampled_ranks=ranks)
 
     def process(self, logits: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | None]:
-        """Float32 logits after masks and penalties, and their logprobs when some row asked."""
+        """Float32 logits after logit bias, masks, bans and penalties, and their logprobs when some row asked."""
         _validate(logits, meta)
         # float() returns the input itself when it is already float32; every op
         # below is out of place, so the caller's logits stay untouched.
         x = logits.float()
+        if meta.logit_bias is not None:
+            rows, ids, bias = meta.logit_bias
+            x = x.index_put((rows.to(x.device), ids.to(x.device)), bias.to(x.device, torch.float32), accumulate=True)
         x = _apply_masks(x, meta)
+        if meta.banned_tokens is not None:
+            x = _apply_bans(x, meta.banned_tokens.to(x.device))
         if meta.has_penalties:
             x = _apply_penalties(x, meta)
         # Logprobs describe the model's distribution after masks and penalties but
@@ -125,6 +132,12 @@ def _validate(logits: Tensor, meta: SamplingMetadata) -> None:
     if meta.bad_token_mask is not None and tuple(meta.bad_token_mask.shape) != (num_rows, vocab):
         raise ValueError(f"bad_token_mask: expected shape ({num_rows}, {vocab}), "
                          f"got {tuple(meta.bad_token_mask.shape)}")
+    if meta.banned_tokens is not None and tuple(meta.banned_tokens.shape) != (num_rows, vocab):
+        raise ValueError(f"banned_tokens: expected shape ({num_rows}, {vocab}), "
+                         f"got {tuple(meta.banned_tokens.shape)}")
+    if meta.logit_bias is not None and (len(meta.logit_bias) != 3 or any(
+            t.dim() != 1 or t.shape != meta.logit_bias[0].shape for t in meta.logit_bias)):
+        raise ValueError("logit_bias: expected (rows, token ids, biases), three 1-D tensors of one length")
     if meta.max_num_logprobs is not None and not 0 <= meta.max_num_logprobs < vocab:
         raise ValueError(f"max_num_logprobs: expected 0 <= k < {vocab}, got {meta.max_num_logprobs}")
     for row in meta.generators:
@@ -148,6 +161,17 @@ def _apply_masks(x: Tensor, meta: SamplingMetadata) -> Tensor:
             x = x.index_put((torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)),
                             torch.tensor(float("-inf"), device=x.device))
     return x
+
+
+def _apply_bans(x: Tensor, banned: Tensor) -> Tensor:
+    """Set banned tokens to -inf, except in a row where that would leave no token at all.
+
+    Such a row (allowed_token_ids disjoint from what its grammar allows, or every allowed id a bad word)
+    has no valid choice; keeping its logits as they were lets the grammar and min_tokens still hold
+    and keeps the draw well defined. The check is one reduction on the device, no host read."""
+    banned_x = x.masked_fill(banned, float("-inf"))
+    empty = torch.isneginf(banned_x).all(dim=-1, keepdim=True)
+    return torch.where(empty, x, banned_x)
 
 
 def _token_counts(token_ids: Tensor, vocab: int) -> Tensor:

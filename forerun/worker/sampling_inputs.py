@@ -46,7 +46,55 @@ def build_sampling_metadata(batch: InputBatch, states: list[RowState], vocab_siz
             stop_ids = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(s.eos_token_ids))
             blocked.append((i, sorted(stop_ids)))
     meta.min_tokens_block = blocked or None
+    if batch.controlled:  # an O(1) test: a batch without logit controls pays nothing for them
+        _add_logit_controls(meta, states, extra, vocab_size, device)
     return meta
+
+
+def _add_logit_controls(meta: SamplingMetadata, states: list[RowState], extra: list[list[int]],
+                        vocab_size: int, device: torch.device) -> None:
+    """logit_bias as sparse (row, id, bias) triples; allowed_token_ids and bad words as one [B, V] ban mask.
+
+    A bad word of several tokens bans its last token only for rows whose output (drafts before the
+    row's position included) ends with the word's other tokens, so the mask is rebuilt every step."""
+    bias_rows, bias_ids, bias_values = [], [], []
+    allowed_rows, allowed_ids = [], []
+    ban_rows, ban_ids = [], []
+    for i, s in enumerate(states):
+        c = s.controls
+        if c is None:
+            continue
+        if len(c.bias_ids):
+            bias_rows.append(np.full(len(c.bias_ids), i, np.int64))
+            bias_ids.append(c.bias_ids)
+            bias_values.append(c.bias_values)
+        if c.allowed is not None:
+            allowed_rows.append(i)
+            allowed_ids.append(c.allowed)
+        banned = [c.banned] if len(c.banned) else []
+        if c.banned_after:
+            out = s.output_token_ids + extra[i] if extra[i] else s.output_token_ids
+            banned.append(np.asarray([last for prefix, last in c.banned_after
+                                      if len(out) >= len(prefix) and tuple(out[len(out) - len(prefix):]) == prefix],
+                                     np.int64))
+        if banned:
+            ids = np.concatenate(banned)
+            ban_rows.append(np.full(len(ids), i, np.int64))
+            ban_ids.append(ids)
+    if bias_rows:
+        meta.logit_bias = tuple(torch.from_numpy(np.concatenate(a)).to(device)  # type: ignore[assignment]
+                                for a in (bias_rows, bias_ids, bias_values))
+    if not allowed_rows and not any(len(a) for a in ban_ids):
+        return
+    mask = torch.zeros(len(states), vocab_size, dtype=torch.bool, device=device)
+    if allowed_rows:
+        mask[torch.tensor(allowed_rows, device=device)] = True
+        rows = np.repeat(np.asarray(allowed_rows, np.int64), [len(a) for a in allowed_ids])
+        mask[torch.from_numpy(rows).to(device), torch.from_numpy(np.concatenate(allowed_ids)).to(device)] = False
+    if ban_rows:
+        mask[torch.from_numpy(np.concatenate(ban_rows)).to(device),
+             torch.from_numpy(np.concatenate(ban_ids)).to(device)] = True
+    meta.banned_tokens = mask
 
 
 def _padded(seqs: list[np.ndarray], pad: int, device: torch.device) -> Tensor:

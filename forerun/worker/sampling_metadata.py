@@ -42,6 +42,12 @@ class SamplingMetadata:
     # Rows still below min_tokens: (row, stop token ids that must not be sampled yet).
     min_tokens_block: list[tuple[int, list[int]]] | None = None
     bad_token_mask: Tensor | None = None  # [B, V] bool; True tokens are never sampled
+    # The requests' logit_bias, sparse: (rows [N] int64, token ids [N] int64, biases [N] float32), added
+    # to the logits; a (row, id) pair appears at most once.
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # [B, V] bool: tokens allowed_token_ids and bad words ban this step. Unlike bad_token_mask, a row it
+    # would leave with no token at all keeps its logits without these bans (the grammar's mask wins).
+    banned_tokens: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
