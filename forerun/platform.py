@@ -47,7 +47,7 @@ def distributed_backend(device: torch.device) -> str:
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype | None:
     """Map a `--dtype` value to a torch dtype. `auto` is bf16 on CUDA and None on CPU, where the
-    faster of fp32 and bf16 differs between machines and is measured (forerun.worker.cpu_probe)."""
+    faster of fp32 and bf16 differs between machines and is measured (forerun.kernels.probe)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}

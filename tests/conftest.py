@@ -14,7 +14,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted once into the user's forerun cache."""
-    from forerun.model.model_source import resolve_model
+    from forerun.loader.model_source import resolve_model
     return resolve_model(None, show_progress=False)
 
 

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from forerun import LLM, SamplingParams
-from forerun.model.linear_kernels import available_kernels, make_linear
-from forerun.worker import cpu_probe
-from forerun.worker.cpu_probe import choose_kernels
+from forerun.kernels.linear import available_kernels, make_linear
+from forerun.kernels import probe
+from forerun.kernels.probe import choose_kernels
 
 CPU = torch.device("cpu")
 SHAPES = [(64, 96, 2), (96, 64, 2), (64, 500, 1)]
@@ -52,7 +52,7 @@ def test_packed_model_gives_the_same_tokens(tiny_llama_dir, kernel):
 
 
 def test_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)  # the real load must not force a re-measure
+    monkeypatch.setattr(probe, "machine_busy", lambda: False)  # the real load must not force a re-measure
     cache = tmp_path / "probe.json"
     first = choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     assert set(first.gflops) >= {"float32/aten", "float32/mkldnn", "bfloat16/aten"}
@@ -63,7 +63,7 @@ def test_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again despite a cached answer")
 
-    monkeypatch.setattr(cpu_probe, "measure", no_measuring)
+    monkeypatch.setattr(probe, "measure", no_measuring)
     assert choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache) == first
     # A fixed dtype and kernel leave a single candidate: nothing to measure, nothing cached.
     fixed = choose_kernels(SHAPES, 8, [torch.float32], ["aten"], cache)
@@ -74,17 +74,17 @@ def test_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
 
 def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_calm(tmp_path, monkeypatch):
     cache, calls = tmp_path / "probe.json", []
-    real = cpu_probe.measure
-    monkeypatch.setattr(cpu_probe, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: True)
+    real = probe.measure
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(probe, "machine_busy", lambda: True)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     assert len(calls) == 1, "still busy: the busy measurement is kept rather than repeated"
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)
+    monkeypatch.setattr(probe, "machine_busy", lambda: False)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     assert len(calls) == 2, "calm now: measured once more, and that answer is final"
-    assert list(json.loads(cache.read_text()).values())[0][cpu_probe.BUSY] is False
+    assert list(json.loads(cache.read_text()).values())[0][probe.BUSY] is False
 
 
 DAMAGES = {
@@ -101,7 +101,7 @@ DAMAGES = {
 
 @pytest.mark.parametrize("damage", ["unparsable", *DAMAGES])
 def test_damaged_cache_is_measured_again(tmp_path, monkeypatch, damage):
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)  # only the damage may force a measurement
+    monkeypatch.setattr(probe, "machine_busy", lambda: False)  # only the damage may force a measurement
     cache = tmp_path / "probe.json"
     first = choose_kernels(SHAPES, 4, [torch.float32], None, cache)
     if damage == "unparsable":
@@ -110,15 +110,15 @@ def test_damaged_cache_is_measured_again(tmp_path, monkeypatch, damage):
         (key, entry), = json.loads(cache.read_text()).items()
         cache.write_text(json.dumps({key: DAMAGES[damage](entry)}))
     calls = []
-    real = cpu_probe.measure
-    monkeypatch.setattr(cpu_probe, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = probe.measure
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
     choice = choose_kernels(SHAPES, 4, [torch.float32], None, cache)
     assert calls == [1], "a damaged entry is measured again"
     assert choice.gflops and set(choice.gflops) == set(first.gflops)
     assert choice.torch_dtype == torch.float32 and f"float32/{choice.linear_kernel}" in choice.gflops
     (entry,) = json.loads(cache.read_text()).values()
-    assert set(entry) == {"dtype", "linear_kernel", "gflops", cpu_probe.BUSY}, "the repaired entry replaced it"
-    monkeypatch.setattr(cpu_probe, "measure", lambda *a, **k: pytest.fail("the repaired entry was not used"))
+    assert set(entry) == {"dtype", "linear_kernel", "gflops", probe.BUSY}, "the repaired entry replaced it"
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: pytest.fail("the repaired entry was not used"))
     assert choose_kernels(SHAPES, 4, [torch.float32], None, cache) == choice
 
 

@@ -18,9 +18,9 @@ from tokenizers import Tokenizer
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from forerun.model.gguf_convert import convert_gguf
-from forerun.model.gguf_tensors import dequantize_tensor
-from forerun.model.model_source import default_model_gguf, resolve_model
+from forerun.loader.gguf_convert import convert_gguf
+from forerun.loader.gguf_tensors import dequantize_tensor
+from forerun.loader.model_source import default_model_gguf, resolve_model
 
 TRICKY = [
     "The capital of France is",

@@ -11,8 +11,8 @@ import torch
 from gguf_factory import write_model_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import forerun.model.model_source as model_source
-from forerun.model.model_source import cache_dir, default_model_gguf, resolve_model
+import forerun.loader.model_source as model_source
+from forerun.loader.model_source import cache_dir, default_model_gguf, resolve_model
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_failed_conversion_leaves_no_cache(tiny_gguf: Path, tmp_path: Path,
         (out_dir / "config.json").write_text("{}")  # half-written output
         raise RuntimeError("disk full")
 
-    from forerun.model import gguf_convert
+    from forerun.loader import gguf_convert
     monkeypatch.setattr(gguf_convert, "convert_gguf", crash)  # model_source imports it when converting
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model(str(tiny_gguf), show_progress=False)

@@ -1,4 +1,4 @@
-"""The fused decode step (`native/decode_layers.c`): every layer of a small decode batch in one C call
+"""The fused decode step (`csrc/decode_layers.c`): every layer of a small decode batch in one C call
 gives the layer-by-layer path's tokens and logprobs exactly, is used where it applies, and stays off
 where it cannot apply or `enforce_eager` is set."""
 

@@ -1,4 +1,4 @@
-"""forerun's packed fp32 GEMM (`native/gemm_packed.c`): matches F.linear at every edge of its blocking
+"""forerun's packed fp32 GEMM (`csrc/gemm_packed.c`): matches F.linear at every edge of its blocking
 and is one of the probe's candidates (an engine on it gives the aten engine's tokens: test_cpu_kernels)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from forerun import LLM
-from forerun.model.linear_kernels import available_kernels, make_linear
-from forerun.model.native_build import load_native_library
-from forerun.model.native_gemm import PackedGemm
-from forerun.worker import cpu_probe
+from forerun.kernels.linear import available_kernels, make_linear
+from forerun.kernels.build import load_native_library
+from forerun.kernels.gemm import PackedGemm
+from forerun.kernels import probe
 
 CPU = torch.device("cpu")
 
@@ -68,10 +68,10 @@ def test_native_is_a_candidate_for_fp32_only_when_the_library_built(gemm, tmp_pa
     assert available_kernels(torch.float32, CPU, gemm) == ["aten", "mkldnn", "native"]
     assert "native" not in available_kernels(torch.float32, CPU)
     assert "native" not in available_kernels(torch.bfloat16, CPU, gemm)
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)
+    monkeypatch.setattr(probe, "machine_busy", lambda: False)
     cache = tmp_path / "probe.json"
     shapes = [(64, 96, 2), (96, 64, 2)]
-    choice = cpu_probe.choose_kernels(shapes, 8, [torch.float32], None, cache, gemm)
+    choice = probe.choose_kernels(shapes, 8, [torch.float32], None, cache, gemm)
     assert set(choice.gflops) == {"float32/aten", "float32/mkldnn", "float32/native"}
     assert f"{choice.dtype}/{choice.linear_kernel}" == max(choice.gflops, key=choice.gflops.get)
     # The key names the C build, so a changed kernel source is timed again.

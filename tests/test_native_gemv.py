@@ -1,4 +1,4 @@
-"""The compact-weight GEMV (`native/gemv_compact.c`): its bf16 and GGUF-block forms expand exactly to
+"""The compact-weight GEMV (`csrc/gemv_compact.c`): its bf16 and GGUF-block forms expand exactly to
 the fp32 weights, the kernel matches fp32 `F.linear`, and engines give the fp32 model's tokens."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from forerun import LLM, SamplingParams
-from forerun.model.compact_weights import CompactWeight, load_gguf_blocks
-from forerun.model.gguf_convert import convert_gguf
-from forerun.model.linear_kernels import split_by_rows
-from forerun.model.native_build import load_native_library
-from forerun.model.native_gemv import CompactGemv
-from forerun.worker import cpu_probe
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.loader.gguf_blocks import load_gguf_blocks
+from forerun.loader.gguf_convert import convert_gguf
+from forerun.kernels.linear import split_by_rows
+from forerun.kernels.build import load_native_library
+from forerun.kernels.gemv import CompactGemv
+from forerun.kernels import probe
 from tests.conftest import save_tiny_model
 from tests.gguf_factory import write_model_gguf
 from tests.test_gguf_convert import _tiny_model
@@ -109,33 +110,33 @@ def test_split_by_rows_routes_small_inputs_only():
 
 
 def test_rows_stop_at_the_first_loss():
-    assert cpu_probe.gemv_rows_from({1: 1.4, 2: 1.2, 4: 1.01, 8: 0.9, 16: 1.1}) == 4
-    assert cpu_probe.gemv_rows_from({1: 0.8, 2: 1.5}) == 0
-    assert cpu_probe.gemv_rows_from({}) == 0
+    assert probe.gemv_rows_from({1: 1.4, 2: 1.2, 4: 1.01, 8: 0.9, 16: 1.1}) == 4
+    assert probe.gemv_rows_from({1: 0.8, 2: 1.5}) == 0
+    assert probe.gemv_rows_from({}) == 0
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "Q4_1"])
 def test_probe_measures_then_reads_the_cache(gemv, tmp_path, monkeypatch, fmt):
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)  # the real load must not force a re-measure
+    monkeypatch.setattr(probe, "machine_busy", lambda: False)  # the real load must not force a re-measure
     shapes, cache = [(64, 96, 2), (96, 64, 2)], tmp_path / "probe.json"
-    rows, speedup = cpu_probe.choose_gemv_rows(shapes, "mkldnn", gemv, fmt, 8, cache)
+    rows, speedup = probe.choose_gemv_rows(shapes, "mkldnn", gemv, fmt, 8, cache)
     assert set(speedup) <= {1, 2, 4, 8} and 1 in speedup and all(v > 0 for v in speedup.values())
-    assert rows == cpu_probe.gemv_rows_from(speedup)
-    monkeypatch.setattr(cpu_probe, "measure_gemv", lambda *a, **k: pytest.fail("measured twice"))
-    assert cpu_probe.choose_gemv_rows(shapes, "mkldnn", gemv, fmt, 8, cache) == (rows, speedup)
+    assert rows == probe.gemv_rows_from(speedup)
+    monkeypatch.setattr(probe, "measure_gemv", lambda *a, **k: pytest.fail("measured twice"))
+    assert probe.choose_gemv_rows(shapes, "mkldnn", gemv, fmt, 8, cache) == (rows, speedup)
 
 
 @pytest.mark.parametrize("damage", [{"speedup": {"one": 1.2}}, {"speedup": {"1": "fast"}}, {"speedup": [1.2]},
                                     {"speedup": {"1": 1.2}, "extra": 1}, {}])
 def test_a_damaged_gemv_entry_is_measured_again(gemv, tmp_path, monkeypatch, damage):
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)
+    monkeypatch.setattr(probe, "machine_busy", lambda: False)
     shapes, cache = [(64, 96, 2), (96, 64, 2)], tmp_path / "probe.json"
-    cpu_probe.choose_gemv_rows(shapes, "aten", gemv, "bf16", 2, cache)
+    probe.choose_gemv_rows(shapes, "aten", gemv, "bf16", 2, cache)
     (key,) = json.loads(cache.read_text())
     cache.write_text(json.dumps({key: damage}))
     calls = []
-    monkeypatch.setattr(cpu_probe, "measure_gemv", lambda *a, **k: calls.append(1) or {1: 1.5, 2: 0.5})
-    assert cpu_probe.choose_gemv_rows(shapes, "aten", gemv, "bf16", 2, cache) == (1, {1: 1.5, 2: 0.5})
+    monkeypatch.setattr(probe, "measure_gemv", lambda *a, **k: calls.append(1) or {1: 1.5, 2: 0.5})
+    assert probe.choose_gemv_rows(shapes, "aten", gemv, "bf16", 2, cache) == (1, {1: 1.5, 2: 0.5})
     assert calls == [1]
 
 

@@ -10,8 +10,8 @@ import torch
 
 from forerun import LLM, SamplingParams
 from forerun.model.attention import AttentionMetadata, TorchSDPABackend
-from forerun.model.native_attention import NativeDecodeBackend
-from forerun.model.native_build import load_native_library
+from forerun.model.attention import NativeDecodeBackend
+from forerun.kernels.build import load_native_library
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def _recording(backend: NativeDecodeBackend) -> list:
     def wrap(fn):
         return lambda *args: calls.append(args) or fn(*args)
 
-    backend.kernels = {dtype: wrap(fn) for dtype, fn in backend.kernels.items()}
+    backend.attention.kernels = {dtype: wrap(fn) for dtype, fn in backend.attention.kernels.items()}
     return calls
 
 
@@ -153,11 +153,11 @@ def test_engine_tokens_match_with_and_without_the_c_kernels(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), native_kernels="yes", show_progress=False)
 
 
-# 5 rows run on one thread, 300 rows on all (forerun.model.native_ops.PARALLEL_MIN_ELEMENTS).
+# 5 rows run on one thread, 300 rows on all (forerun.kernels.ops.PARALLEL_MIN_ELEMENTS).
 @pytest.mark.parametrize("rows", [5, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_and_activation_match_torch(native, dtype, rows):
-    from forerun.model.native_ops import NativeOps, threads_for
+    from forerun.kernels.ops import NativeOps, threads_for
     ops = NativeOps(native.lib)
     gen = torch.Generator().manual_seed(3)
     x, res = (torch.randn(rows, 96, generator=gen).to(dtype) for _ in range(2))
@@ -182,7 +182,7 @@ def test_fused_norm_and_activation_match_torch(native, dtype, rows):
 @pytest.mark.parametrize("head_dim", [64, 10])
 def test_rotary_equals_the_stock_ops_bit_for_bit(native, tokens, head_dim):
     from forerun.model.layers import RotaryEmbedding
-    from forerun.model.native_ops import NativeOps
+    from forerun.kernels.ops import NativeOps
     ops = NativeOps(native.lib)
     rope = RotaryEmbedding(head_dim, 2048, 10000.0)
     gen = torch.Generator().manual_seed(tokens)
@@ -198,20 +198,20 @@ def test_rotary_equals_the_stock_ops_bit_for_bit(native, tokens, head_dim):
 
 
 def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
-    from forerun.model import native_build
+    from forerun.kernels import build as kernel_build
     cache = tmp_path / "kernels"
-    assert native_build.load_native_library(cache) is not None
+    assert kernel_build.load_native_library(cache) is not None
     first = {p.name for p in cache.glob("*.so")}
     extra = tmp_path / "extra.h"
     extra.write_text("/* a header the kernels include changed */\n")
-    monkeypatch.setattr(native_build, "HEADERS", native_build.HEADERS + [extra])
-    assert native_build.load_native_library(cache) is not None
+    monkeypatch.setattr(kernel_build, "HEADERS", kernel_build.HEADERS + [extra])
+    assert kernel_build.load_native_library(cache) is not None
     assert len({p.name for p in cache.glob("*.so")} - first) == 1, "a stale library must not be reused"
 
 
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "forerun.model.native_build" and r.levelno == logging.WARNING]
+            if r.name == "forerun.kernels.build" and r.levelno == logging.WARNING]
 
 
 @pytest.mark.parametrize("cc", ["ccache gcc", "/nonexistent/bin/cc", None])

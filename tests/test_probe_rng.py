@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from forerun import LLM, SamplingParams
-from forerun.model.model_source import cache_dir
-from forerun.model.native_build import load_native_library
-from forerun.model.native_gemm import PackedGemm
-from forerun.model.native_gemv import CompactGemv
-from forerun.worker import cpu_probe
+from forerun.loader.model_source import cache_dir
+from forerun.kernels.build import load_native_library
+from forerun.kernels.gemm import PackedGemm
+from forerun.kernels.gemv import CompactGemv
+from forerun.kernels import probe
 
 SHAPES = [(64, 96, 2), (96, 64, 2), (64, 500, 1)]
 PROMPTS = [[5, 6, 7, 8, 9] * 3, [100, 200, 300], list(range(10, 40))]
@@ -35,14 +35,14 @@ def lib():
 
 
 def test_probe_measurements_leave_the_global_rng_alone(lib, tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_probe, "machine_busy", lambda: False)
+    monkeypatch.setattr(probe, "machine_busy", lambda: False)
     gemm = PackedGemm(lib)
     torch.manual_seed(SEED)
     before = torch.get_rng_state()
-    choice = cpu_probe.choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, tmp_path / "p.json", gemm)
+    choice = probe.choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, tmp_path / "p.json", gemm)
     assert choice.gflops, "several candidates: the probe really measured"
-    cpu_probe.measure(SHAPES, 8, [(torch.float32, "native")], gemm=gemm)
-    rows, speedup = cpu_probe.choose_gemv_rows(SHAPES[:2], "aten", CompactGemv(lib), "bf16", 4, tmp_path / "p.json")
+    probe.measure(SHAPES, 8, [(torch.float32, "native")], gemm=gemm)
+    rows, speedup = probe.choose_gemv_rows(SHAPES[:2], "aten", CompactGemv(lib), "bf16", 4, tmp_path / "p.json")
     assert speedup, "the GEMV probe really measured"
     assert torch.equal(torch.get_rng_state(), before), "the probe drew from torch's global RNG"
 

@@ -1,0 +1,3 @@
+"""Throughput and serving benchmarks and the step timeline (Chrome trace + PNG); reads other packages
+only through their public API.
+"""

@@ -204,7 +204,7 @@ def hf_generate_baseline(folder: Path, workload: Workload, batch_size: int) -> d
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from forerun.entrypoints.engine_args import engine_config_from_args
-    from forerun.model.model_source import resolve_model
+    from forerun.loader.model_source import resolve_model
     from forerun.model.registry import model_matmul_shapes
     config = engine_config_from_args(args)
     tmp = None

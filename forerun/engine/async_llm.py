@@ -16,7 +16,7 @@ from forerun.engine.core_proc import CoreMessage, EngineCoreProcess, EngineDeadE
 from forerun.engine.input_processor import InputProcessor, Prompt
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.tokenizer import Tokenizer
-from forerun.model.model_source import resolve_model
+from forerun.loader.model_source import resolve_model
 from forerun.outputs import EmbeddingOutput, RequestOutput
 from forerun.sampling_params import SamplingParams
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import forerun
 from forerun.config import EngineConfig
 from forerun.executor.base import Executor
 from forerun.executor.mp import RANK0_ONLY, WorkerError
@@ -120,7 +119,7 @@ class RayExecutor(Executor):
                 raise ValueError(f"tensor_parallel_size: the Ray cluster cannot place {ws} bundles of "
                                  f"{bundle} (resources: {ray.available_resources()})")
             # Actors must import forerun even where it is not installed as a package (a source checkout).
-            src = str(Path(forerun.__file__).resolve().parent.parent)
+            src = str(Path(__file__).resolve().parents[2])  # the folder holding the forerun package
             path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
             actor_cls = ray.remote(RayWorkerActor)
             self.actors = [actor_cls.options(

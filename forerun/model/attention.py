@@ -1,4 +1,5 @@
-"""Paged attention: per-step metadata, the backend interface, and a plain-PyTorch SDPA backend.
+"""Paged attention: per-step metadata, the backend interface, a plain-PyTorch SDPA backend, and one
+whose decode rows run in C (forerun.kernels.attention).
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K, 1 = V).
 Token at position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
@@ -8,12 +9,15 @@ read and weighted by 0, and 0 * NaN would poison the row.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from forerun.kernels.attention import DecodeAttention
 
 
 @dataclass(frozen=True)
@@ -237,3 +241,18 @@ class TorchSDPABackend:
         mask = meta.decode_mask(q.dtype, window)
         res = F.scaled_dot_product_attention(qg, ctx[0], ctx[1], attn_mask=mask, scale=scale)
         return res.reshape(rows, heads * dim)
+
+
+class NativeDecodeBackend(TorchSDPABackend):
+    """Stock-PyTorch attention for prefill rows; decode rows go to the C kernel when it can run them
+    (see `DecodeAttention.accepts`); anything else falls back to the stock path."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.attention = DecodeAttention(lib)
+
+    def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None) -> Tensor:
+        if not self.attention.accepts(q, kv_cache):
+            return super()._decode(q, kv_cache, meta, scale, window)
+        return self.attention(q, kv_cache, meta, scale, window)

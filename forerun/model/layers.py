@@ -13,18 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from forerun.model.linear_kernels import LinearFn, make_linear, split_by_rows
-from forerun.model.compact_weights import CompactWeight
-from forerun.model.native_gemm import PackedGemm
-from forerun.model.native_gemv import CompactGemv, CompactLinear
-from forerun.model.native_ops import NativeOps
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.gemv import CompactLinear
+from forerun.kernels.linear import LinearPlan
+from forerun.kernels.ops import NativeOps
+from forerun.kernels.types import LinearFn
 from forerun.model.parallel import TPGroup
 
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight over the last dim; `weight` has shape [hidden].
 
-    With `native` set (forerun.model.native_ops) the add and the norm run as one fused C pass
+    With `native` set (forerun.kernels.ops) the add and the norm run as one fused C pass
     wherever it accepts the input, and as torch ops elsewhere.
     """
 
@@ -108,8 +108,8 @@ class PackableLinear(nn.Module):
     """A linear layer whose matmul can be switched to a prepacked kernel once its weights are loaded.
 
     Invariant: until `use_kernel` is called, `matmul` is plain `F.linear` over `weight`; afterwards
-    it uses copies made from the loaded weight (so weights must be loaded first): a prepacked one,
-    and for small inputs a compact one that expands exactly to `weight`.
+    it uses what the kernels' `LinearPlan` built from the loaded weight (so weights must be loaded
+    first): a prepacked copy, and for small inputs a compact one that expands exactly to `weight`.
     """
 
     weight: nn.Parameter
@@ -118,26 +118,18 @@ class PackableLinear(nn.Module):
     small_rows: int = 0
     _matmul: LinearFn | None = None
 
-    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
-                   gemv: CompactGemv | None = None, gemv_rows: int = 0, gemm: PackedGemm | None = None) -> bool:
-        """Use `kernel` (with `gemm` for 'native') from now on, and `gemv` for inputs of at most
-        `gemv_rows` rows over a compact form of this weight (`compact`, else bf16 where that is exact);
-        answers whether it can. Without `keep_weight` a packed layer frees its dense weight (the packed
-        copy is all it reads)."""
+    def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True) -> bool:
+        """Run this matmul as `plan` builds it from now on (small inputs over a compact form of this
+        weight: `compact`, else bf16 where that is exact); answers whether small inputs read a compact
+        form. Without `keep_weight` a packed layer frees its dense weight (the packed copy is all it
+        reads)."""
         bias = getattr(self, "bias", None) if with_bias else None
-        weight = self.weight.detach()
-        large = None if kernel == "aten" else make_linear(weight, bias, kernel, batch_hint, gemm)
-        small = None
-        if gemv is not None and gemv_rows > 0:
-            small = gemv.linear(self.compact or CompactWeight.bf16_of(weight), bias)
-        self.small, self.small_rows = small, gemv_rows if small is not None else 0
-        if small is not None:
-            self._matmul = split_by_rows(small, large or (lambda x: F.linear(x, weight, bias)), gemv_rows)
-        else:
-            self._matmul = large
-        if large is not None and not keep_weight:
+        built = plan.build(self.weight.detach(), bias, self.compact)
+        self.small, self.small_rows = built.small, plan.gemv_rows if built.small is not None else 0
+        self._matmul = built.matmul
+        if not built.reads_dense and not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-        return small is not None
+        return built.small is not None
 
     def matmul(self, x: Tensor, with_bias: bool = True) -> Tensor:
         if self._matmul is not None:
@@ -202,11 +194,9 @@ class RowParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def use_kernel(self, kernel: str, batch_hint: int, with_bias: bool = True, keep_weight: bool = True,
-                   gemv: CompactGemv | None = None, gemv_rows: int = 0, gemm: PackedGemm | None = None) -> bool:
+    def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True) -> bool:
         # With several ranks the bias is added once, after the all-reduce.
-        return super().use_kernel(kernel, batch_hint, with_bias=self.tp.size == 1, keep_weight=keep_weight,
-                                  gemv=gemv, gemv_rows=gemv_rows, gemm=gemm)
+        return super().use_kernel(plan, with_bias=self.tp.size == 1, keep_weight=keep_weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:

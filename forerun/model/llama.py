@@ -7,17 +7,17 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+from forerun.kernels.compact_weights import CompactWeight, MatchFn
+from forerun.kernels.decode import DecodeDims, DecodeLayers, DecodeLayerWeights
+from forerun.kernels.linear import LinearPlan
+from forerun.kernels.ops import NativeOps
+from forerun.model.attention import AttentionBackend, AttentionMetadata, NativeDecodeBackend, TorchSDPABackend
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
-from forerun.model.compact_weights import CompactWeight, MatchFn
-from forerun.model.native_gemm import PackedGemm
-from forerun.model.native_decode import DecodeLayers
-from forerun.model.native_gemv import CompactGemv
-from forerun.model.native_ops import NativeOps
 from forerun.model.parallel import PPStage, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -261,18 +261,16 @@ class LlamaForCausalLM(nn.Module):
             return hidden, residual
         return m.norm.add_forward(hidden, residual)[0]
 
-    def use_linear_kernel(self, kernel: str, batch_hint: int, gemv: CompactGemv | None = None,
-                          gemv_rows: int = 0, gemm: PackedGemm | None = None) -> tuple[int, int]:
-        """Switch every matmul to `kernel` (see forerun.model.linear_kernels; `gemm` runs 'native'), and
-        inputs of at most `gemv_rows` rows to `gemv` where it reads the weight exactly; weights must be loaded.
+    def use_linear_kernel(self, plan: LinearPlan) -> tuple[int, int]:
+        """Run every matmul as the kernels' `plan` builds it (forerun.kernels.linear: the chosen kernel,
+        and small inputs over a compact weight where it reads the weight exactly); weights must be loaded.
         Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's.
-        Returns (matmuls on `gemv`, all matmuls)."""
+        Returns (matmuls reading a compact weight for small inputs, all matmuls)."""
         on_gemv = total = 0
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 tied = module is self.lm_head and self.args.tie_word_embeddings
-                on_gemv += module.use_kernel(kernel, batch_hint, keep_weight=tied, gemv=gemv, gemv_rows=gemv_rows,
-                                             gemm=gemm)
+                on_gemv += module.use_kernel(plan, keep_weight=tied)
                 total += 1
         return on_gemv, total
 
@@ -315,11 +313,50 @@ class LlamaForCausalLM(nn.Module):
         return "bf16" if first is not None and CompactWeight.bf16_of(first.weight.detach()) is not None else None
 
     def use_decode_layers(self, lib: ctypes.CDLL) -> str | None:
-        """Run small decode steps through every layer in one C call (forerun.model.native_decode) from
+        """Run small decode steps through every layer in one C call (forerun.kernels.decode) from
         now on; call after `use_linear_kernel`. Returns why it cannot, or None when it does."""
-        why = DecodeLayers.why_not(self)
-        self.decode_layers = None if why else DecodeLayers(lib, self)
+        why = self._why_not_decode_layers()
+        self.decode_layers = None if why else self._build_decode_layers(lib)
         return why
+
+    def _why_not_decode_layers(self) -> str | None:
+        """Why this stage's layers cannot run as one C call (None when they can)."""
+        if self.tp.size != 1 or not (self.pp.is_first and self.pp.is_last):
+            return "tensor or pipeline parallelism"
+        if self.args.qk_norm:
+            return "per-head q/k norms"
+        layers = [self.model.layers[i] for i in self.local_layers]
+        for layer in layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if any(lin.small is None for lin in _linears(layer)):
+                return "a matmul without a compact-weight form"
+            if a.native is None or mlp.native is None or layer.input_layernorm.native is None:
+                return "no fused C ops"
+            if not isinstance(a.backend, NativeDecodeBackend):
+                return "attention not in C"
+            if layer.input_layernorm.weight.dtype != torch.float32:
+                return "not fp32"
+        if not DecodeLayers.shape_supported(self._decode_dims()):
+            return "an attention shape the C kernel lacks"
+        return None
+
+    def _decode_dims(self) -> DecodeDims:
+        first = self.model.layers[self.local_layers[0]]
+        a = first.self_attn
+        return DecodeDims(self.args.hidden_size, first.mlp.inter, a.num_heads, a.num_kv_heads, a.head_dim,
+                          self.args.rms_norm_eps, a.scale)
+
+    def _build_decode_layers(self, lib: ctypes.CDLL) -> DecodeLayers:
+        """The fused step over this stage's layers, handed as plain weights and sizes."""
+        layers = [self.model.layers[i] for i in self.local_layers]
+        weights = []
+        for layer in layers:
+            qkv, o, gate_up, down = (lin.small for lin in _linears(layer))
+            assert qkv is not None and o is not None and gate_up is not None and down is not None
+            weights.append(DecodeLayerWeights(qkv, o, gate_up, down, layer.input_layernorm.weight,
+                                              layer.post_attention_layernorm.weight, layer.self_attn.window))
+        max_rows = min(lin.small_rows for layer in layers for lin in _linears(layer))
+        return DecodeLayers(lib, weights, self._decode_dims(), max_rows)
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""
@@ -377,6 +414,11 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("lm_head."):
             return self.lm_head is not None
         return True
+
+
+def _linears(layer: nn.Module) -> tuple[PackableLinear, ...]:
+    """A decoder layer's four matmuls: q/k/v, output, gate/up, down (the fused step's order)."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _parts(model: nn.Module, param_name: str) -> int:

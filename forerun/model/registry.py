@@ -10,12 +10,13 @@ from typing import Iterable, Protocol
 import torch
 from torch import Tensor
 
+from forerun.kernels.compact_weights import CompactWeight, MatchFn
+from forerun.loader.gguf_blocks import load_gguf_blocks
+from forerun.loader.weights import iter_safetensors
 from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
-from forerun.model.compact_weights import CompactWeight, MatchFn, load_gguf_blocks
 from forerun.model.parallel import PPStage, TPGroup
-from forerun.model.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
 

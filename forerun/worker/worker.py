@@ -15,19 +15,20 @@ import torch.distributed as dist
 
 from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from forerun.kernels.build import load_native_library
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.gemm import PackedGemm
+from forerun.kernels.gemv import CompactGemv
+from forerun.kernels.linear import LinearPlan
+from forerun.kernels.ops import NativeOps
+from forerun.kernels.probe import DTYPE_NAMES, KernelChoice, choose_gemv_rows, choose_kernels, measure
+from forerun.loader.model_source import cache_dir
+from forerun.model.attention import NativeDecodeBackend
 from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
-from forerun.model.model_source import cache_dir
-from forerun.model.compact_weights import CompactWeight
-from forerun.model.native_attention import NativeDecodeBackend
-from forerun.model.native_build import load_native_library
-from forerun.model.native_gemm import PackedGemm
-from forerun.model.native_gemv import CompactGemv
-from forerun.model.native_ops import NativeOps
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
-from forerun.worker.cpu_probe import DTYPE_NAMES, KernelChoice, choose_gemv_rows, choose_kernels, measure
 from forerun.worker.model_runner import ModelRunner
 from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
 from forerun.worker.pp_runner import PipelineModelRunner
@@ -115,8 +116,8 @@ class Worker:
                 self.model.use_native_ops(NativeOps(lib))
             gemv_rows = self._choose_gemv_rows(choice, gemv)
             if choice.linear_kernel != "aten" or gemv_rows:
-                on_gemv, total = self.model.use_linear_kernel(choice.linear_kernel, self._decode_batch(), gemv,
-                                                              gemv_rows, self.gemm)
+                on_gemv, total = self.model.use_linear_kernel(
+                    LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, gemv_rows, self.gemm))
                 if gemv_rows and self.rank == 0:
                     logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
                                 "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
@@ -171,7 +172,7 @@ class Worker:
         return choice
 
     def _choose_gemv_rows(self, choice: KernelChoice, gemv: CompactGemv | None) -> int:
-        """Up to how many rows fp32 matmuls read compact weights (forerun.model.native_gemv): as
+        """Up to how many rows fp32 matmuls read compact weights (forerun.kernels.gemv): as
         configured, or measured on this CPU against the chosen kernel for the model's compact format
         (rank 0 decides). 0 where it cannot apply."""
         want = self.config.gemv_max_rows

@@ -62,7 +62,7 @@ def converted_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
     try:
         logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, target)
         # Imported here: the gguf package takes about 0.2 s to import, and only a first start converts.
-        from forerun.model.gguf_convert import convert_gguf
+        from forerun.loader.gguf_convert import convert_gguf
         convert_gguf(gguf_path, scratch, show_progress)
         try:
             scratch.rename(target)

@@ -1,6 +1,6 @@
-"""fp32 matmuls of any row count over a weight packed once at load (`native/gemm_packed.c`).
+"""fp32 matmuls of any row count over a weight packed once at load (`csrc/gemm_packed.c`).
 
-The third matmul kernel beside `aten` and `mkldnn` (forerun.model.linear_kernels): the CPU probe times
+The third matmul kernel beside `aten` and `mkldnn` (forerun.kernels.linear): the CPU probe times
 it on the model's own shapes and keeps it where it is the fastest.
 """
 
@@ -11,8 +11,8 @@ import ctypes
 import torch
 from torch import Tensor
 
-from forerun.model.linear_kernels import LinearFn
-from forerun.model.native_build import build_name, profiled
+from forerun.kernels.build import build_name, profiled
+from forerun.kernels.types import LinearFn
 
 PANEL = 16  # output columns per packed panel (NR in gemm_packed.c)
 

@@ -1,32 +1,60 @@
-"""A decode step of a few rows through every decoder layer in one C call (`native/decode_layers.c`).
+"""A decode step of a few rows through every decoder layer in one C call (`csrc/decode_layers.c`).
 
 At one to a few decode rows each op of a layer takes microseconds, and dispatching the ~15 Python
 and torch calls per layer costs as much as the arithmetic. `DecodeLayers` hands C the same kernels
 and arguments the layer-by-layer path uses (the compact-weight GEMV, fused norm, rotary, paged decode
 attention, activation), so the hidden states are the same bit for bit. It is built only where every
-layer can run that way (see `DecodeLayers.why_not`); everything else (prefill, larger batches, other
-dtypes or devices, tensor or pipeline parallelism) keeps the module path. `enforce_eager` turns it off.
+layer can run that way (the model decides, from `DecodeLayers.shape_supported` and its own modules);
+everything else (prefill, larger batches, other dtypes or devices, tensor or pipeline parallelism)
+keeps the module path. `enforce_eager` turns it off. It is handed the layers' weights and sizes as
+plain data (`DecodeLayerWeights`, `DecodeDims`) and knows no model class.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from forerun.model.attention import AttentionMetadata
-from forerun.model.native_attention import MAX_GROUP, MAX_HEADS, NativeDecodeBackend
-from forerun.model.native_build import profiled
-from forerun.model.native_gemv import CompactLinear
-from forerun.model.native_ops import PARALLEL_MIN_ELEMENTS
-
-if TYPE_CHECKING:
-    from forerun.model.layers import PackableLinear
-    from forerun.model.llama import LlamaForCausalLM
+from forerun.kernels.attention import shape_supported
+from forerun.kernels.build import profiled
+from forerun.kernels.gemv import CompactLinear
+from forerun.kernels.ops import PARALLEL_MIN_ELEMENTS
+from forerun.kernels.types import DecodeBatch
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """One pre-norm decoder layer as the fused step reads it: four compact-weight matmuls (q/k/v packed,
+    output, gate/up packed, down), the two RMSNorm weights (fp32, contiguous) and the sliding window
+    (None: full attention). The model builds these from its own modules; the tensors stay owned by it."""
+
+    qkv: CompactLinear
+    o: CompactLinear
+    gate_up: CompactLinear
+    down: CompactLinear
+    input_norm: Tensor
+    post_norm: Tensor
+    window: int | None
+
+
+@dataclass(frozen=True)
+class DecodeDims:
+    """The sizes every layer shares: hidden and (per-matmul) intermediate width, query and KV heads,
+    head_dim, the RMSNorm epsilon and the attention scale."""
+
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
 
 
 class _Matmul(ctypes.Structure):
@@ -54,59 +82,37 @@ def _matmul(lin: CompactLinear) -> _Matmul:
     return _Matmul(lin.packed.data_ptr(), lin.packed.shape[1], lin.code, bias)
 
 
-def _linears(layer: nn.Module) -> tuple[PackableLinear, ...]:
-    """A decoder layer's four matmuls, in the order of `_Layer`'s fields."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-
-
 class DecodeLayers:
     """Runs all decoder layers of one model for decode batches of at most `max_rows` rows; build it
-    only where `why_not` answers None (after `use_linear_kernel`)."""
+    only where `shape_supported(dims)` holds and every layer has compact-weight matmuls, fused C norms
+    and activation, and C decode attention (the model checks its own side)."""
 
-    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM) -> None:
+    def __init__(self, lib: ctypes.CDLL, layers: Sequence[DecodeLayerWeights], dims: DecodeDims,
+                 max_rows: int) -> None:
         self.fn = lib.decode_layers_f32
-        args, layers = model.args, [model.model.layers[i] for i in model.local_layers]
-        self.max_rows = min(lin.small_rows for layer in layers for lin in _linears(layer))
-        attn = layers[0].self_attn
-        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden, self.inter = args.hidden_size, layers[0].mlp.inter
-        self.eps, self.scale = args.rms_norm_eps, attn.scale
+        self.max_rows = max_rows
+        self.heads, self.kv_heads, self.head_dim = dims.heads, dims.kv_heads, dims.head_dim
+        self.hidden, self.inter = dims.hidden, dims.inter
+        self.eps, self.scale = dims.eps, dims.scale
         self._layers = (_Layer * len(layers))()
         for slot, layer in zip(self._layers, layers):
-            slot.qkv, slot.o, slot.gate_up, slot.down = (_matmul(lin.small) for lin in _linears(layer))
-            slot.input_norm = layer.input_layernorm.weight.data_ptr()
-            slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            slot.window = layer.self_attn.window or 0
+            slot.qkv, slot.o, slot.gate_up, slot.down = (
+                _matmul(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            slot.input_norm = layer.input_norm.data_ptr()
+            slot.post_norm = layer.post_norm.data_ptr()
+            slot.window = layer.window or 0
         # The engine allocates the caches once: their pointers and shape are written on first use and
         # again only if they change.
         self._caches: list[int] = []
         self._shape = _Shape()
 
     @staticmethod
-    def why_not(model: LlamaForCausalLM) -> str | None:
-        """Why the model's layers cannot run as one C call (None when they can)."""
-        if model.tp.size != 1 or not (model.pp.is_first and model.pp.is_last):
-            return "tensor or pipeline parallelism"
-        if model.args.qk_norm:
-            return "per-head q/k norms"
-        layers = [model.model.layers[i] for i in model.local_layers]
-        for layer in layers:
-            a, mlp = layer.self_attn, layer.mlp
-            if any(lin.small is None for lin in _linears(layer)):
-                return "a matmul without a compact-weight form"
-            if a.native is None or mlp.native is None or layer.input_layernorm.native is None:
-                return "no fused C ops"
-            if not isinstance(a.backend, NativeDecodeBackend):
-                return "attention not in C"
-            if layer.input_layernorm.weight.dtype != torch.float32:
-                return "not fp32"
-        a = layers[0].self_attn
-        if a.num_heads // a.num_kv_heads > MAX_GROUP or a.num_heads > MAX_HEADS or a.head_dim % 8:
-            return "an attention shape the C kernel lacks"
-        return None
+    def shape_supported(dims: DecodeDims) -> bool:
+        """Whether the C decode attention inside the fused step takes this attention shape."""
+        return shape_supported(dims.heads, dims.kv_heads, dims.head_dim)
 
     def accepts(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
-                meta: AttentionMetadata) -> bool:
+                meta: DecodeBatch) -> bool:
         """Whether this step's inputs are ones the C path takes (else the caller runs the modules)."""
         first = kv_caches[0]
         return (meta.all_decode and hidden.shape[0] <= self.max_rows and hidden.dtype == torch.float32
@@ -116,7 +122,7 @@ class DecodeLayers:
                 and meta.slot_mapping.is_contiguous())
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
-                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                 meta: DecodeBatch) -> tuple[Tensor, Tensor]:
         """(hidden, residual) after the last layer, from the embedded tokens `hidden` [rows, hidden_size]
         (updated in place)."""
         caches = [c.data_ptr() for c in kv_caches]

@@ -3,7 +3,7 @@
  * Why: at decode batches of tens of rows and at prefill a matmul is bound by arithmetic, and on the
  * AVX2 machines measured here oneDNN's fp32 GEMM reached 40-50% of the cores' FMA peak at the model's
  * shapes (64 rows, k 512-1536). A register-blocked kernel over a weight laid out in the order it is
- * read reaches about 60%: 1.1-1.3x oneDNN at those shapes (forerun.worker.cpu_probe measures both
+ * read reaches about 60%: 1.1-1.3x oneDNN at those shapes (forerun.kernels.probe measures both
  * on each machine and keeps the faster).
  *
  * Layout: the weight [n, k] is packed into panels of NR = 16 output columns; panel p holds k lines

@@ -7,7 +7,7 @@
  * the Python path's bit for bit (tests check it) at a fraction of the overhead: the CPU's
  * counterpart of replaying a captured graph.
  *
- * The caller (forerun.model.native_decode) checks every condition first: fp32, matmuls on the
+ * The caller (forerun.kernels.decode) checks every condition first: fp32, matmuls on the
  * compact-weight GEMV, one rank, all rows decoding. hidden [rows, hidden] holds the embedded tokens
  * and is updated in place; residual [rows, hidden] is written (the first layer starts from hidden
  * alone, as the module path does).
@@ -47,10 +47,10 @@ typedef struct {
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, num_blocks, block_size;
     float eps, scale;
-    int64_t parallel_min_elements; /* smaller element-wise passes run on one thread (native_ops' rule) */
+    int64_t parallel_min_elements; /* smaller element-wise passes run on one thread (forerun.kernels.ops' rule) */
 } shape_t;
 
-/* One step's batch (see forerun.model.attention.AttentionMetadata for the decode fields). */
+/* One step's batch (see forerun.kernels.types.DecodeBatch for the decode fields). */
 typedef struct {
     int64_t rows;
     const float *cos, *sin; /* per-row rotary factors, rows cos_sin_stride apart */
@@ -62,7 +62,7 @@ typedef struct {
     int64_t max_len;
 } batch_t;
 
-/* Threads for an element-wise pass: all of them only from the size forerun.model.native_ops uses. */
+/* Threads for an element-wise pass: all of them only from the size forerun.kernels.ops uses. */
 static int threads_for(const shape_t *s, int64_t elements, int nthreads) {
     return elements >= s->parallel_min_elements ? nthreads : 1;
 }

@@ -1,4 +1,4 @@
-"""Builds forerun's C kernels (`native/*.c`) at first use with the system compiler; loads them via ctypes.
+"""Builds forerun's C kernels (`csrc/*.c`) at first use with the system compiler; loads them via ctypes.
 
 The kernels need no torch headers, so the build takes about a second (plain C, `-O3 -march=native
 -fopenmp`). The library is cached by sources, flags and CPU. When no compiler is found, the build
@@ -24,7 +24,7 @@ from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
 
-NATIVE_DIR = Path(__file__).with_name("native")
+NATIVE_DIR = Path(__file__).with_name("csrc")  # shipped as package data (pyproject.toml)
 SOURCES = sorted(NATIVE_DIR.glob("*.c"))
 HEADERS = sorted(NATIVE_DIR.glob("*.h"))  # not compiled on their own, but part of the cache key
 # gnu11, not c11: strict ISO mode turns off FMA contraction, which halves the kernels' speed.

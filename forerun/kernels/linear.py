@@ -1,25 +1,27 @@
-"""Ways to run y = x W^T + b on the CPU, chosen per machine by measurement (see forerun.worker.cpu_probe).
+"""Ways to run y = x W^T + b on the CPU, chosen per machine by measurement (see forerun.kernels.probe).
 
 `aten` is plain `F.linear`. `mkldnn` prepacks the weight once into the blocked layout oneDNN's GEMM
 wants (what inductor's `freezing` does), which saves the per-call reorder: on some CPUs that is worth
 2x on wide matrices such as the LM head, on others nothing. `native` is forerun's own fp32 GEMM over
-a packed weight (forerun.model.native_gemm), available when the C kernels built. (MKL's packed GEMM
+a packed weight (forerun.kernels.gemm), available when the C kernels built. (MKL's packed GEMM
 is left out: it only helps at the exact batch size it was packed for.) `available_kernels` says which
-kernels this torch build, CPU and dtype can use.
+kernels this torch build, CPU and dtype can use. A model asks a `LinearPlan` for each of its matmuls
+and never names a kernel itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from forerun.model.native_gemm import PackedGemm
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.gemm import PackedGemm
+from forerun.kernels.gemv import CompactGemv, CompactLinear
+from forerun.kernels.types import LinearFn
 
-LinearFn = Callable[[Tensor], Tensor]
 KERNELS = ("aten", "mkldnn", "native")
 
 
@@ -59,3 +61,43 @@ def make_linear(weight: Tensor, bias: Tensor | None, kernel: str, batch_hint: in
 def split_by_rows(small: LinearFn, large: LinearFn, max_rows: int) -> LinearFn:
     """`small` for inputs of at most `max_rows` rows (memory-bound), `large` above (compute-bound)."""
     return lambda x: small(x) if x.shape[0] <= max_rows else large(x)
+
+
+@dataclass(frozen=True)
+class BuiltLinear:
+    """One weight's matmul as a `LinearPlan` built it.
+
+    Invariant: `matmul` None means plain `F.linear` over the dense weight; `small` is the compact-weight
+    matmul `matmul` uses for inputs of at most the plan's `gemv_rows` rows (None: none); `reads_dense`
+    says whether `matmul` still reads the dense weight (when False the caller may free it).
+    """
+
+    matmul: LinearFn | None
+    small: CompactLinear | None
+    reads_dense: bool
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How every matmul of one model runs: `kernel` (`gemm` runs 'native') for all inputs, prepacked
+    for `batch_hint` rows, and `gemv` over a compact form of the weight for inputs of at most
+    `gemv_rows` rows, where the weight has one the kernel reads exactly."""
+
+    kernel: str = "aten"
+    batch_hint: int = 1
+    gemv: CompactGemv | None = None
+    gemv_rows: int = 0
+    gemm: PackedGemm | None = None
+
+    def build(self, weight: Tensor, bias: Tensor | None, compact: CompactWeight | None) -> BuiltLinear:
+        """The matmul x -> x W^T + b for this plan; `compact` is the checkpoint's own compact form of
+        `weight` (GGUF blocks), else bf16 is tried where it holds the weight exactly."""
+        large = None if self.kernel == "aten" else make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
+        small = None
+        if self.gemv is not None and self.gemv_rows > 0:
+            small = self.gemv.linear(compact or CompactWeight.bf16_of(weight), bias)
+        if small is not None:
+            matmul = split_by_rows(small, large or (lambda x: F.linear(x, weight, bias)), self.gemv_rows)
+        else:
+            matmul = large
+        return BuiltLinear(matmul, small, reads_dense=large is None)

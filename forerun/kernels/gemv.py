@@ -1,7 +1,7 @@
-"""Small-batch matmuls over compact weights with fp32 arithmetic (`native/gemv_compact.c`).
+"""Small-batch matmuls over compact weights with fp32 arithmetic (`csrc/gemv_compact.c`).
 
 At one to a few decode rows a matmul is bound by reading its weights. Where a weight's bf16 or
-GGUF-block form (forerun.model.compact_weights) expands exactly to the fp32 weight, reading that
+GGUF-block form (forerun.kernels.compact_weights) expands exactly to the fp32 weight, reading that
 form moves 2x (bf16) to 6x (Q4_1) fewer bytes for the same result up to summation order.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from forerun.model.compact_weights import CompactWeight
-from forerun.model.native_build import build_name, profiled
+from forerun.kernels.build import build_name, profiled
+from forerun.kernels.compact_weights import CompactWeight
 
 
 MAX_BLOCKS = 1024  # the kernel's per-row buffer of scales: k up to 32,768 in the GGUF formats
@@ -23,7 +23,7 @@ MAX_BLOCKS = 1024  # the kernel's per-row buffer of scales: k up to 32,768 in th
 @dataclass(frozen=True)
 class CompactLinear:
     """x -> x W^T + b over one weight in the kernel's layout; its fields are what the fused decode
-    step (forerun.model.native_decode) hands to C."""
+    step (forerun.kernels.decode) hands to C."""
 
     gemv: CompactGemv
     packed: Tensor  # uint8 [(n + 3) // 4, 4 * row bytes]

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from forerun.model.linear_kernels import LinearFn, available_kernels, make_linear
-from forerun.model.compact_weights import CompactWeight
-from forerun.model.native_gemm import PackedGemm
-from forerun.model.native_gemv import CompactGemv
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.gemm import PackedGemm
+from forerun.kernels.gemv import CompactGemv
+from forerun.kernels.linear import available_kernels, make_linear
+from forerun.kernels.types import LinearFn
 from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)

@@ -250,7 +250,7 @@ void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *d
 }
 
 /* 1 when GGUF blocks (or bf16 rows) [n, row bytes] expand exactly to the fp32 weight w [n, k], as
- * forerun.model.compact_weights.CompactWeight.expand computes the expansion (each weight rounded once;
+ * forerun.kernels.compact_weights.CompactWeight.expand computes the expansion (each weight rounded once;
  * see the arithmetic note at the top), else 0. One pass over both, to check a model's forms at load. */
 int gemv_matches_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, const float *w, int nthreads) {
     const int64_t blocks = k / 32;

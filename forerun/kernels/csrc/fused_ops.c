@@ -60,7 +60,7 @@ SILU_MUL(silu_mul_bf16, uint16_t, ld_bf16, st_bf16, load8_bf16, store8_bf16)
 
 /* out[t, h] = x[t, h] * cos[t] + swap_halves(x[t, h]) * sin[t] (rotate-half, the "neox" form), where
  * cos[t] = (cos, cos) and sin[t] = (-sin, sin) of token t's angles (D values each, rows
- * cos_sin_stride apart: forerun.model.layers.RotaryEmbedding's table);
+ * cos_sin_stride apart: the model's rotary table);
  * x rows are x_stride apart (q and k inside the packed q/k/v output), out is [tokens, heads, D].
  * fp32 only. x * cos is rounded, then swapped * sin is added in one fused multiply-add, exactly as
  * torch's addcmul(x * cos, swapped, sin) computes it, so the result equals the stock ops' bit for bit:

@@ -13,9 +13,10 @@ from gguf import GGUFReader
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from forerun.model.compact_weights import FORMATS, save_gguf_blocks
-from forerun.model.gguf_tensors import check_tensor_type, dequantize_tensor, hf_tensor_name, unpermute_rotary_rows
-from forerun.model.gguf_tokenizer import build_tokenizer, tokenizer_config, vocab_from_metadata
+from forerun.kernels.compact_weights import FORMATS
+from forerun.loader.gguf_blocks import save_gguf_blocks
+from forerun.loader.gguf_tensors import check_tensor_type, dequantize_tensor, hf_tensor_name, unpermute_rotary_rows
+from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config, vocab_from_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
 def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool) -> None:
     """Write config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json and
     generation_config.json for the GGUF file into `out_dir` (created if missing), plus the
-    block-quantized matrices' own blocks (forerun.model.compact_weights.BLOCKS_FILE).
+    block-quantized matrices' own blocks (forerun.loader.gguf_blocks.BLOCKS_FILE).
 
     Everything is validated (architecture, tensor names and types, tokenizer) before the slow
     de-quantization starts, so bad input fails fast with a ValueError naming the field.

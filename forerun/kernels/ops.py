@@ -1,4 +1,4 @@
-"""Fused residual-add + RMSNorm and SiLU-and-multiply from the C library (`native/fused_ops.c`).
+"""Fused residual-add + RMSNorm and SiLU-and-multiply from the C library (`csrc/fused_ops.c`).
 
 Each replaces four or five torch ops and their temporaries with one pass over memory. `NativeOps`
 answers None where it cannot run an input (another device or dtype, a strided tensor), and the
@@ -12,7 +12,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from forerun.model.native_build import profiled
+from forerun.kernels.build import profiled
 
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 # Below this many elements a pass takes a microsecond or less: one thread does it. Waking the
@@ -64,7 +64,7 @@ class NativeOps:
 
     def rotary(self, x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor | None:
         """x [T, heads * head_dim] (rows may be strided, e.g. q and k inside the packed projection)
-        rotated by per-token cos/sin [T, 1, head_dim] (forerun.model.layers.RotaryEmbedding's factors)
+        rotated by per-token cos/sin [T, 1, head_dim] (rotate-half factors, `sin` signed for the first half)
         -> [T, heads, head_dim]; None where the kernel does not take the input (then use the stock ops)."""
         tokens, width = x.shape
         if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or width % head_dim

@@ -1,28 +1,23 @@
 """Weights kept in a compact form beside an fp32 model: bf16, or a GGUF file's own quantized blocks.
 
 A decode step with few rows is bound by reading weights, so the small-batch matmul
-(forerun.model.native_gemv) reads these instead of the fp32 copy. Every compact weight is checked
+(forerun.kernels.gemv) reads these instead of the fp32 copy. Every compact weight is checked
 to expand to exactly the fp32 weight the model holds, so the model's arithmetic does not change.
-The GGUF converter saves the blocks (`save_gguf_blocks`) and the loader reads them back.
+The GGUF converter saves the blocks and the loader reads them back (forerun.loader.gguf_blocks).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 # (compact form, fp32 weight) -> whether the form expands exactly to the weight
 MatchFn = Callable[["CompactWeight", Tensor], bool]
 # Format -> (code the C kernel knows, bytes per block of 32 weights; bf16 has no blocks).
 FORMATS = {"bf16": (0, 64), "Q8_0": (1, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
-BLOCKS_FILE = Path("gguf-blocks") / "blocks.safetensors"
 
 
 @dataclass(frozen=True)
@@ -86,26 +81,3 @@ class CompactWeight:
         if fmt == "Q4_1":
             data[..., 2:4] = torch.full((n, k // 32, 1), -0.05, dtype=torch.float16).view(torch.uint8)
         return CompactWeight(fmt, data.view(n, -1), k)
-
-
-def save_gguf_blocks(out_dir: Path, blocks: dict[str, tuple[str, Tensor, int]]) -> None:
-    """Write {hf_name: (format, uint8 rows, k)} beside a converted model."""
-    path = out_dir / BLOCKS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {name: json.dumps([fmt, k]) for name, (fmt, _, k) in blocks.items()}
-    save_file({name: rows.contiguous() for name, (_, rows, _) in blocks.items()}, str(path), metadata=meta)
-
-
-def load_gguf_blocks(folder: Path) -> dict[str, CompactWeight]:
-    """The blocks saved beside a converted GGUF model ({} for any other folder)."""
-    path = Path(folder) / BLOCKS_FILE
-    if not path.is_file():
-        return {}
-    out = {}
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        for name in f.keys():
-            fmt, k = json.loads(meta[name])
-            if fmt in FORMATS:
-                out[name] = CompactWeight(fmt, f.get_tensor(name), int(k))
-    return out
