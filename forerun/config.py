@@ -143,9 +143,8 @@ class EngineConfig:
             raise ValueError("distributed_executor_backend: 'uni' runs one rank; use mp, ray or "
                              f"external_launcher for tensor_parallel_size={self.tensor_parallel_size}")
         self._validate_pipeline()
-        if not self.enable_chunked_prefill and self.max_model_len is not None \
-                and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
+        if self.max_model_len is not None:
+            self._check_batch_holds_prompt(self.max_model_len)
         if self.num_threads is not None:
             _positive(self.num_threads, "num_threads")
         if self.native_kernels not in (None, True, False):
@@ -180,6 +179,70 @@ class EngineConfig:
                              f"not {self.distributed_executor_backend!r}")
         if self.runner != "generate":
             raise ValueError("pipeline_parallel_size: pipeline stages serve generation models only")
+
+    def _check_batch_holds_prompt(self, max_model_len: int) -> None:
+        """Without chunked prefill a prompt (or a preempted request's prompt plus outputs) runs in one
+        step, so one step's budget must hold a whole sequence; otherwise such a request waits forever."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} is less than max_model_len "
+                             f"{max_model_len}; with chunked prefill off one step must hold a whole sequence: "
+                             "raise max_num_batched_tokens, lower max_model_len or turn enable_chunked_prefill on")
+
+    def check_model(self, hf_config: dict[str, Any]) -> None:
+        """Check this config against the model's config.json, before any worker starts.
+
+        Tensor-parallel ranks split attention heads, key/value heads and the MLP evenly, and pipeline
+        stages need a layer each; a model that cannot be split so is refused here, naming both fields,
+        instead of failing in every worker. A `max_model_len` beyond the model's positions is refused too.
+        """
+        tp = self.tensor_parallel_size
+        if tp > 1:
+            heads = hf_config.get("num_attention_heads")
+            for name, value in (("num_attention_heads", heads),
+                                ("num_key_value_heads", hf_config.get("num_key_value_heads") or heads),
+                                ("intermediate_size", hf_config.get("intermediate_size"))):
+                if isinstance(value, int) and value % tp:
+                    raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {name} ({value}); "
+                                     f"use a tensor_parallel_size that divides {value}")
+        layers = hf_config.get("num_hidden_layers")
+        if self.pipeline_parallel_size > 1 and isinstance(layers, int) and self.pipeline_parallel_size > layers:
+            raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} stages for {layers} layers; "
+                             "every stage needs at least one layer")
+        limit = hf_config.get("max_position_embeddings")
+        if isinstance(limit, int) and limit > 0:
+            self.check_max_model_len(limit)
+
+    def check_max_model_len(self, model_limit: int) -> int:
+        """The max_model_len the engine will use before the KV cache is sized: the one asked for, or the
+        model's own limit; raises ValueError for one beyond the model's limit or one step's budget."""
+        if self.max_model_len is not None and self.max_model_len > model_limit:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's limit {model_limit}")
+        max_model_len = self.max_model_len or model_limit
+        self._check_batch_holds_prompt(max_model_len)
+        return max_model_len
+
+    def fit_max_model_len(self, max_model_len: int, num_kv_blocks: int) -> int:
+        """The max_model_len that one sequence can fill in a KV cache of `num_kv_blocks` blocks.
+
+        A request longer than the whole cache can never be admitted and would stall every request behind
+        it. An explicit `max_model_len` the cache cannot hold is refused (ValueError naming the numbers and
+        the fields to change); an unset one is lowered to what the cache holds, with a warning, so a small
+        cache still serves (shorter) requests. `num_kv_blocks` 0 means no KV cache (encoder models).
+        """
+        if num_kv_blocks <= 0:
+            return max_model_len
+        capacity = num_kv_blocks * self.block_size
+        if capacity >= max_model_len:
+            return max_model_len
+        if self.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len: {max_model_len} tokens do not fit in the KV cache, which holds {capacity} tokens "
+                f"({num_kv_blocks} blocks of {self.block_size}); raise kv_cache_memory or num_kv_blocks, or lower "
+                f"max_model_len to at most {capacity}")
+        logger.warning("max_model_len: the KV cache holds %d tokens (%d blocks of %d), less than the model's %d; "
+                       "serving with max_model_len=%d (raise kv_cache_memory or num_kv_blocks for more)",
+                       capacity, num_kv_blocks, self.block_size, max_model_len, capacity)
+        return capacity
 
     @property
     def spec(self) -> SpeculativeConfig | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from forerun import LLM, SamplingParams
@@ -56,7 +58,8 @@ def test_settings_do_not_change_tokens(tiny_llama_dir, async_mode):
     variants = {
         "chunked": dict(max_num_batched_tokens=8),
         "no-prefix-cache": dict(enable_prefix_caching=False),
-        "no-chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=1024),
+        # max_model_len unset: it comes from the model (1024), and one step's budget must hold it.
+        "no-chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=1024),
         "block-4": dict(block_size=4),
     }
     for name, kw in variants.items():
@@ -75,3 +78,31 @@ def test_preemption_keeps_tokens(tiny_llama_dir, async_mode):
     assert preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
     assert free == total
+
+
+def test_no_chunking_refuses_a_budget_below_the_model_length(tiny_llama_dir):
+    """Chunked prefill off and max_model_len unset: a prompt longer than one step's budget could never be
+    scheduled and stalled every request behind it. Now the engine refuses to start, naming the field."""
+    box: dict[str, BaseException] = {}
+
+    def body() -> None:
+        try:
+            with LLM(model=str(tiny_llama_dir), enable_chunked_prefill=False, max_num_batched_tokens=64,
+                     dtype="float32", show_progress=False) as llm:
+                llm.generate([list(range(100, 200))], GREEDY, use_tqdm=False)
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)  # a stalled engine fails the test instead of hanging it
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the engine stalled on a prompt longer than max_num_batched_tokens"
+    err = box.get("error")
+    assert isinstance(err, ValueError), err
+    assert str(err).startswith("max_num_batched_tokens: 64 is less than max_model_len 1024"), err
+    # Still refused the same way when max_model_len is set, and a budget that holds it starts.
+    with pytest.raises(ValueError, match="^max_num_batched_tokens: 64"):
+        LLM(model=str(tiny_llama_dir), enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=128)
+    outs, _ = run(tiny_llama_dir, [list(range(100, 160))], enable_chunked_prefill=False,
+                  max_num_batched_tokens=64, max_model_len=64)
+    assert len(outs[0].outputs[0].token_ids) == 4  # 60 prompt tokens leave 4 within max_model_len 64

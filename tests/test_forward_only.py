@@ -17,7 +17,7 @@ def test_launched_steps_never_change_and_replay_as_launched(tiny_llama_dir, asyn
     """Preemption (a small cache), chunked prefill, prefix hits, speculation and stops all run here; a
     snapshot taken at launch must still equal each kept step at the end, and a fresh engine's executor
     must accept the kept steps as they are."""
-    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=256, num_kv_blocks=12, block_size=8,
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=96, num_kv_blocks=12, block_size=8,
                           max_num_batched_tokens=40, async_scheduling=async_scheduling,
                           speculative_config={"num_speculative_tokens": 2})
     engine = LLMEngine(config, show_progress=False)

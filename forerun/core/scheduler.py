@@ -85,10 +85,24 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id: {req.request_id!r} is already running")
+        self.check_fits(req)
         if req.grammar_future is not None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """Raise ValueError for a request the whole KV cache cannot hold at its longest (prompt plus
+        max_tokens): it could never be admitted again once preempted, and would block the queue."""
+        if self.config.encoder_only:
+            return  # no KV cache
+        bs, num_blocks = self.kv.block_size, self.kv.pool.num_blocks
+        longest = req.num_prompt_tokens + (0 if req.pooling else req.max_tokens)
+        if -(-longest // bs) > num_blocks:
+            what = "prompt" if req.pooling or req.max_tokens == 0 else "max_tokens"
+            raise ValueError(f"{what}: {req.num_prompt_tokens} prompt tokens plus max_tokens {req.max_tokens} need "
+                             f"{-(-longest // bs)} KV blocks of {bs}, more than the whole cache ({num_blocks} "
+                             "blocks); lower max_tokens or the prompt, or raise kv_cache_memory or num_kv_blocks")
 
     def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> list[Request]:
         """Abort (or error) requests now: blocks freed at once, later outputs for them ignored."""

@@ -31,6 +31,7 @@ from forerun.request import EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.1  # how often a busy core reports its stats
+SHUTDOWN_GRACE_S = 1.5  # how long the parent lets the core stop on its own before SIGTERM ends it at once
 _IDLE_POLL_MS = 100  # an idle core wakes this often to see whether its parent is still alive
 HEALTH_INTERVAL_S = 0.5  # how often the core checks that its workers still run (also right after a failed step)
 
@@ -78,12 +79,31 @@ class CoreMessage(msgspec.Struct):
 
 # ---- the child ----------------------------------------------------------------------------------
 
+class _Terminated(BaseException):
+    """Raised in the core's main thread by SIGTERM: stop now, even in the middle of a long step.
+
+    A BaseException, so no `except Exception` on the way (a step's error handling) swallows it.
+    """
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    # One shot: a second SIGTERM while the core winds down must not interrupt the wind-down itself.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Terminated()
+
+
 def run_engine_core(config: EngineConfig, model_folder: Path, in_addr: str, out_addr: str,
                     parent_pid: int) -> None:
-    """Process entry point: build the core, report ready (or fatal), then step until told to stop."""
+    """Process entry point: build the core, report ready (or fatal), then step until told to stop.
+
+    SIGTERM (the parent's shutdown when the core did not stop in time, or a supervisor) ends the core at
+    once, also mid-step: every request still pending ends with an error, the workers are killed, and the
+    process exits without waiting for the step.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group; the parent decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
@@ -95,23 +115,49 @@ def run_engine_core(config: EngineConfig, model_folder: Path, in_addr: str, out_
     inp.connect(in_addr)
     encoder = msgspec.msgpack.Encoder()
     core = None
+    terminated = False
     try:
-        core = _build_core(config, model_folder)
-        out.send(encoder.encode(CoreMessage(ready=CoreInfo(core.max_model_len, core.vocab_size, core.num_blocks,
-                                                           core.async_mode))))
-        _CoreLoop(core, inp, out, encoder, parent_pid).run()
-    except Exception as exc:  # anything here leaves the core unusable: say why, then exit
-        logger.exception("engine core failed")
-        out.send(encoder.encode(CoreMessage(fatal=f"engine core failed: {exc!r}")))
-    finally:
-        if core is not None:
+        try:
+            core = _build_core(config, model_folder)
+            out.send(encoder.encode(CoreMessage(ready=CoreInfo(core.max_model_len, core.vocab_size, core.num_blocks,
+                                                               core.async_mode))))
+            _CoreLoop(core, inp, out, encoder, parent_pid).run()
+            _end_pending(core, out, encoder, "engine core is shutting down")
+        except _Terminated:
+            terminated = True
+            logger.warning("SIGTERM: ending every pending request and exiting now")
+            _end_pending(core, out, encoder, "engine core was terminated (SIGTERM)")
+            out.send(encoder.encode(CoreMessage(fatal="engine core was terminated (SIGTERM)")))
+        except Exception as exc:  # anything here leaves the core unusable: say why, then exit
+            logger.exception("engine core failed")
+            out.send(encoder.encode(CoreMessage(fatal=f"engine core failed: {exc!r}")))
+        if core is not None and not terminated:
             try:
                 core.shutdown()
             except Exception:
                 logger.exception("engine core shutdown failed")
-        inp.close()
-        out.close()
-        ctx.term()
+    except _Terminated:  # SIGTERM during the orderly shutdown: finish it the quick way
+        terminated = True
+    # From here on only quick steps remain; a late SIGTERM must not cut them short (the parent kills
+    # a core that takes too long).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if terminated and core is not None:
+        core.shutdown(now=True)  # the workers may be mid-step: kill them rather than wait
+    inp.close()
+    out.close()  # LINGER: the messages above still reach the parent
+    ctx.term()
+    if terminated:
+        # A worker thread may still be inside the step; exiting normally would wait for it to finish.
+        logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
+
+
+def _end_pending(core: Any, out: zmq.Socket, encoder: msgspec.msgpack.Encoder, reason: str) -> None:
+    """Tell the parent that every request the core still holds ends now, with an error."""
+    ids = list(core.scheduler.requests) if core is not None else []
+    if ids:
+        outs = [EngineCoreOutput(rid, [], finish_reason="error", error=reason) for rid in ids]
+        out.send(encoder.encode(CoreMessage(outputs=outs)))
 
 
 def _build_core(config: EngineConfig, model_folder: Path) -> Any:
@@ -301,8 +347,10 @@ class EngineCoreProcess:
     def is_alive(self) -> bool:
         return self.proc.is_alive()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask the core to stop, then terminate and finally kill it if it does not."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Ask the core to stop; if it has not exited within `timeout_s` (it reads commands only between
+        steps, and a long prefill is one step), SIGTERM ends it at once, and a kill follows if even that
+        fails. In-flight requests end with an error either way."""
         if self.proc.is_alive():
             try:
                 self._send("shutdown")
@@ -318,8 +366,8 @@ class EngineCoreProcess:
 
 def _reap(proc: multiprocessing.process.BaseProcess, tmpdir: str) -> None:
     if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
+        proc.terminate()  # the core ends its requests and workers and exits at once (see run_engine_core)
+        proc.join(3)
     if proc.is_alive():
         proc.kill()
         proc.join(5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -55,19 +56,17 @@ class EngineCore:
                  structured_factory: Callable[[], Any] | None = None) -> None:
         config.validate()
         self.config = config
+        config.check_model(_read_model_config(model_folder))  # before any worker starts
         self.executor = make_executor(config, model_folder)
-        info = self.executor.collective_rpc("model_info")[0]
-        self.vocab_size = info.vocab_size
-        self.max_model_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
-        if config.max_model_len and config.max_model_len > info.max_model_len:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit {info.max_model_len}")
-        num_blocks = min(self.executor.collective_rpc("determine_num_blocks", (self.max_model_len,)))
-        if num_blocks and num_blocks * config.block_size < self.max_model_len:
-            logger.warning("KV cache holds %d tokens, less than max_model_len %d",
-                           num_blocks * config.block_size, self.max_model_len)
-        self.executor.collective_rpc("init_kv_cache", (num_blocks, self.max_model_len))
-        self.num_blocks = num_blocks
+        try:
+            info = self._size_kv_cache()
+        except BaseException as exc:
+            # Workers (processes, shared memory) are already up: a refused start must not leave them
+            # behind. An interrupt (a signal) rather than an error means exit now.
+            self._stop_executor(now=not isinstance(exc, Exception))
+            raise
         self.encoder_only = info.encoder_only
+        num_blocks = self.num_blocks
         kv = NoKVCache() if self.encoder_only else KVCacheManager(num_blocks, config.block_size,
                                                                    config.enable_prefix_caching)
         spec = config.spec
@@ -95,6 +94,22 @@ class EngineCore:
         self._unsent_finished: set[str] = set()
         self._unsent_preempted: set[str] = set()
 
+    def _size_kv_cache(self) -> Any:
+        """Settle max_model_len and the block count with the workers, then allocate the cache.
+
+        Refuses (ValueError) a max_model_len that one sequence cannot fill in the cache, since such a
+        request would never be admitted and would stall the queue; an unset one shrinks to the cache.
+        """
+        config = self.config
+        info = self.executor.collective_rpc("model_info")[0]
+        self.vocab_size = info.vocab_size
+        wanted = config.check_max_model_len(info.max_model_len)
+        num_blocks = min(self.executor.collective_rpc("determine_num_blocks", (wanted,)))
+        self.max_model_len = config.fit_max_model_len(wanted, num_blocks)
+        self.executor.collective_rpc("init_kv_cache", (num_blocks, self.max_model_len))
+        self.num_blocks = num_blocks
+        return info
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
         """Raises ValueError naming the field for a request this core cannot run; nothing else is touched."""
@@ -115,6 +130,7 @@ class EngineCore:
         elif req.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt: {req.num_prompt_tokens} tokens leave no room for output within "
                              f"max_model_len {self.max_model_len}")
+        self.scheduler.check_fits(req)
         sp = core_req.sampling_params
         if sp.structured_outputs is not None:
             req.grammar_future = self.structured_manager().submit(sp.structured_outputs)
@@ -288,11 +304,33 @@ class EngineCore:
         logger.error("engine step failed: %s", exc)
         return EngineStepError(f"engine step failed: {exc!r}", outs)
 
-    def shutdown(self) -> None:
+    def shutdown(self, now: bool = False) -> None:
+        """Stop the workers. `now` (a signal to exit at once): no goodbye call, since a worker may be in
+        the middle of a long step; an executor that can end its workers at once (`kill`) does, the rest
+        is left to the process's exit."""
         self.batch_queue.clear()
+        if now:
+            self._stop_executor(now=True)
+            return
         try:
             self.executor.collective_rpc("shutdown")
         finally:
-            self.executor.shutdown()
+            self._stop_executor(now=False)
         if self.structured is not None:
             self.structured.close()
+
+    def _stop_executor(self, now: bool) -> None:
+        if not now:
+            self.executor.shutdown()
+            return
+        kill = getattr(self.executor, "kill", None)
+        if kill is not None:
+            kill()
+
+
+def _read_model_config(model_folder: Path) -> dict[str, Any]:
+    """The model's config.json (empty when absent: the loader then reports the missing file)."""
+    path = Path(model_folder) / "config.json"
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())

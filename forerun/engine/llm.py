@@ -27,6 +27,7 @@ class LLM:
             raise ValueError(f"{sorted(unknown)[0]}: unknown engine option")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), show_progress=show_progress)
         self.tokenizer = self.engine.tokenizer
+        self._shut_down = False
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[
             SamplingParams] | None = None, use_tqdm: bool = True,
@@ -101,7 +102,10 @@ class LLM:
             self.engine.step()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine's workers; a second call does nothing (a `with` block after an explicit call)."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

@@ -3,6 +3,7 @@ broadcast queue."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -72,7 +73,8 @@ class MultiprocExecutor(Executor):
         self._pending: deque[_Pending] = deque()
         self._next_id = 0
         self._error: WorkerError | None = None
-        self._closed = False
+        self._closed = False  # no new calls; shutdown() has begun
+        self._torn_down = False  # shutdown() has finished: no process, thread or segment left
         self._stopping = threading.Event()
         ctx = mp.get_context("spawn")
         self._calls = ShmBroadcastQueue(self.world_size, n_slots=8, slot_bytes=1 << 20)
@@ -88,6 +90,10 @@ class MultiprocExecutor(Executor):
         self._pending.append(_Pending(_READY, "__init__", ready, set(range(self.world_size))))
         self._resp_thread = threading.Thread(target=self._response_loop, name="forerun-mp-responses", daemon=True)
         self._monitor = threading.Thread(target=self._monitor_loop, name="forerun-mp-monitor", daemon=True)
+        # An engine nobody shut down is shut down at interpreter exit, before multiprocessing's own exit
+        # hook (registered earlier, so run later) terminates the workers and the resource tracker
+        # reports the rings as leaked.
+        atexit.register(self.shutdown)
         try:
             with main_script_not_rerun():
                 for p in self.procs:
@@ -95,8 +101,10 @@ class MultiprocExecutor(Executor):
             self._resp_thread.start()
             self._monitor.start()
             ready.result(timeout=STARTUP_TIMEOUT_S)
-        except BaseException:
-            self.shutdown()
+        except BaseException as exc:
+            # A worker's error leaves the others waiting for orders: stop them in order. An interrupt
+            # (a signal) means exit now.
+            self.shutdown(None if isinstance(exc, Exception) else 0.0)
             raise
 
     # ---- calls ---------------------------------------------------------------------------------
@@ -224,21 +232,30 @@ class MultiprocExecutor(Executor):
             p.join(timeout=JOIN_TIMEOUT_S)
 
     # ---- shutdown ------------------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def kill(self) -> None:
+        """End every worker at once, mid-step or not, and free the rings (the process is exiting now)."""
+        self.shutdown(0.0)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop the workers, giving them `timeout_s` to exit after the stop message before they are killed
+        (None: 10 s, or 2 s after a failure; 0: kill at once), then free threads and shared memory.
+
+        Idempotent, and a call interrupted part way (a signal) is finished by the next one.
+        """
         with self._cond:
-            if self._closed:
+            if self._torn_down:
                 return
-            self._closed = True
+            first, self._closed = not self._closed, True
         # After a failure a rank may sit in a collective that never completes: wait less for it.
-        patience = JOIN_TIMEOUT_S if self._error is None else 2.0
-        if all(p.pid is not None and p.is_alive() for p in self.procs):
+        patience = timeout_s if timeout_s is not None else JOIN_TIMEOUT_S if self._error is None else 2.0
+        if first and patience > 0 and all(p.pid is not None and p.is_alive() for p in self.procs):
             try:
                 self._writer.put((-2, _STOP, (), {}, False), timeout=patience)
             except QueueTimeout:
                 logger.warning("workers did not take the stop message; killing them")
         deadline = time.monotonic() + patience
         for p in self.procs:
-            if p.pid is not None:
+            if p.pid is not None and patience > 0:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stopping.set()
         self._kill_all()
@@ -254,6 +271,8 @@ class MultiprocExecutor(Executor):
         self._calls.close()
         for q in self._responses:
             q.close()
+        self._torn_down = True
+        atexit.unregister(self.shutdown)
 
 
 # ---- worker process --------------------------------------------------------------------------
