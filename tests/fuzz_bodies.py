@@ -15,19 +15,32 @@ STRINGS: list[Any] = ["", " ", "\x00", "\ud800", "😀" * 300, "Ω≈ç√∫ �
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
                      "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "stream",
                      "stream_options", "response_format", "ignore_eos", "min_tokens", "skip_special_tokens",
-                     "include_stop_str_in_output", "user", "logprobs", "echo", "suffix", "best_of"]
+                     "include_stop_str_in_output", "user", "logprobs", "echo", "suffix", "best_of",
+                     "structured_outputs", "guided_choice", "unknown_field"]
 CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo", "suffix", "best_of")] + [
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "chat_template_kwargs"]
-EMBEDDING_FIELDS = ["model", "input", "encoding_format", "dimensions", "user"]
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "chat_template_kwargs",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"]
+EMBEDDING_FIELDS = ["model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"]
 
 # Values aimed at one field's structure, beyond the generic ones.
 SPECIFIC: dict[str, list[Any]] = {
-    "prompt": [[], [[]], [-1], [[1, 2], []], [2**40], ["a", 1], [""]],
-    "input": [[], [[]], [-1], [[1, 2], []], [2**40], ["a", 1], [""], ["x"] * 3000, [[0] * 600]],
+    "prompt": [[], [[]], [-1], [[1, 2], []], [2**40], ["a", 1], [""], "\ud800", ["ok", "a\udfffb"], "x" * 3_000_000],
+    "input": [[], [[]], [-1], [[1, 2], []], [2**40], ["a", 1], [""], ["x"] * 3000, [[0] * 600], "\ud800",
+              ["fine", "\udfff"], "x" * 3_000_000],
     "messages": [[], [{"role": "user"}], [{"content": "hi"}], [{"role": "bogus", "content": "hi"}],
                  [{"role": 5, "content": "hi"}], [{"role": "user", "content": [{"type": "image_url"}]}],
                  [{"role": "user", "content": [{"type": "text", "text": 5}]}], [{"role": "user", "content": {}}],
-                 [{"role": "assistant", "content": "only me"}], [{"role": "user", "content": "x", "name": 5}]],
+                 [{"role": "assistant", "content": "only me"}], [{"role": "user", "content": "x", "name": 5}],
+                 [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
+                 [{"role": "developer", "content": "hi"}], [{"role": "tool", "content": "1", "tool_call_id": "c"}],
+                 [{"role": "user", "content": "hi", "tool_calls": []}], [{"role": "function", "content": "hi"}]],
+    "structured_outputs": [{}, {"choice": []}, {"choice": [""]}, {"choice": ["a", 5]}, {"regex": ""}, {"regex": "("},
+                           {"grammar": "root ::= "}, {"grammar": "nonsense"}, {"json": 5}, {"json": "{"},
+                           {"json": {"type": "bogus"}}, {"json_object": False}, {"whitespace_pattern": " "},
+                           {"choice": ["a"], "regex": "a"}, {"choice": ["yes", "no"]}, {"regex": "[ab]{2}"},
+                           {"json_object": True}, {"choice": ["\ud800"]}],
+    "tools": [[], [{"type": "function", "function": {"name": "f"}}]],
+    "tool_choice": ["none", "auto", "required", {"type": "function", "function": {"name": "f"}}],
     "response_format": [{"type": "bogus"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {}},
                         {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}},
                         {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}},
@@ -35,7 +48,7 @@ SPECIFIC: dict[str, list[Any]] = {
                         {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "("}}},
                         {"type": "json_object"}],
     "stream_options": [{"include_usage": "x"}, {"include_usage": True}],
-    "stop": [[""], ["a"] * 1000, [None], ["x" * 10_000]],
+    "stop": [[""], ["a"] * 1000, [None], ["x" * 10_000], ["\ud800"], "\udfff"],
     "stop_token_ids": [[-1], [2**64], [None], list(range(5000))],
     "chat_template_kwargs": [{"add_generation_prompt": "x"}, {"tools": 5}, {"messages": 1}, {"x" * 100: None},
                              {"documents": [1, 2]}],

@@ -95,14 +95,18 @@ def wait_idle(server: Server, timeout_s: float = 15) -> dict[str, float]:
 
 
 def start_server(model: str | Path | None, *args: str, api_key: str | None = None, timeout_s: float = 180,
-                 env: dict[str, str] | None = None) -> Server:
-    """`api_key` is passed as --api-key; a key given only through `env` (FORERUN_API_KEY) is the caller's to
-    send, so set `Server.api_key` afterwards."""
+                 env: dict[str, str] | None = None, api_key_file: Path | None = None) -> Server:
+    """`api_key` is passed as --api-key, `api_key_file` as --api-key-file (its content becomes
+    `Server.api_key`); a key given only through `env` (FORERUN_API_KEY) is the caller's to send, so set
+    `Server.api_key` afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "forerun.entrypoints.serve"] + ([str(model)] if model else []) + [
         "--port", str(port), "--uvicorn-log-level", "warning", *args]
     if api_key:
         cmd += ["--api-key", api_key]
+    if api_key_file is not None:
+        cmd += ["--api-key-file", str(api_key_file)]
+        api_key = api_key_file.read_text().strip()
     log_path = Path(tempfile.mkstemp(prefix="forerun-serve-", suffix=".log")[1])
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
@@ -121,10 +125,11 @@ def start_server(model: str | Path | None, *args: str, api_key: str | None = Non
     raise RuntimeError(f"server did not start within {timeout_s} s:\n{server.log()}")
 
 
-def serving(model: str | Path | None, *args: str, api_key: str | None = None) -> Iterator[Server]:
+def serving(model: str | Path | None, *args: str, api_key: str | None = None,
+            api_key_file: Path | None = None) -> Iterator[Server]:
     """A module fixture's body: the server while the module's tests run, then stopped (unless a test
     stopped it already) with no process left behind."""
-    srv = start_server(model, *args, api_key=api_key)
+    srv = start_server(model, *args, api_key=api_key, api_key_file=api_key_file)
     try:
         yield srv
     finally:

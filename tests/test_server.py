@@ -8,7 +8,10 @@ import os
 import signal
 import time
 
+import re
+
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -21,9 +24,12 @@ GREEDY = dict(temperature=0.0, max_tokens=12)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    yield from serving(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "256",
-                       "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16", api_key=API_KEY)
+def server(tiny_llama_dir, tmp_path_factory):
+    # The key comes from a file (with a trailing newline, as editors write it), so it is not in `ps`.
+    key_file = tmp_path_factory.mktemp("key") / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    yield from serving(tiny_llama_dir, "--served-model-name", "tiny", "tiny-alias", "--max-model-len", "256",
+                       "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16", api_key_file=key_file)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,9 @@ def client(server) -> openai.OpenAI:
 
 def test_models_health_and_completion(server, client):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    aliased = client.completions.create(model="tiny-alias", prompt="Hello, my name is", **GREEDY)
+    assert aliased.model == "tiny"  # every served name reaches the same model; responses carry the first
     r = client.completions.create(model="tiny", prompt="Hello, my name is", **GREEDY)
     assert r.object == "text_completion" and len(r.choices) == 1
     assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text
@@ -148,6 +156,97 @@ def test_response_format_json_schema(client):
     assert r.choices[0].finish_reason in ("stop", "length") and text.lstrip().startswith("{")
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text)["ok"], bool)
+
+
+CHOICES = ["yes", "no", "maybe later"]
+REGEX = r"[0-9]{3}-[a-z]{2}"
+SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                "additionalProperties": False}
+STRUCTURED_MODES = [("choice", CHOICES), ("regex", REGEX), ("grammar", 'root ::= "red" | "green" | "blue"'),
+                    ("json", SMALL_SCHEMA), ("json_object", True)]
+
+
+def check_structured(mode: str, text: str, finish: str) -> None:
+    assert finish in ("stop", "length"), (mode, text, finish)
+    if mode == "choice":
+        assert finish == "stop" and text in CHOICES, text
+    elif mode == "regex":
+        assert finish == "stop" and re.fullmatch(REGEX, text), text
+    elif mode == "grammar":
+        assert finish == "stop" and text in ("red", "green", "blue"), text
+    elif finish == "stop":  # a JSON value may run past max_tokens inside a string; when it ends, it conforms
+        value = json.loads(text)
+        if mode == "json":
+            jsonschema.validate(value, SMALL_SCHEMA)
+        else:
+            assert isinstance(value, dict)
+    else:
+        assert text.lstrip().startswith("{"), text
+
+
+@pytest.mark.parametrize("mode,spec", STRUCTURED_MODES, ids=[m for m, _ in STRUCTURED_MODES])
+def test_structured_outputs_field_on_both_endpoints(client, mode, spec):
+    # vLLM's `structured_outputs` body field was accepted and ignored: `choice: [yes, no]` gave free text.
+    extra = {"structured_outputs": {mode: spec}}
+    for seed in (0, 1):  # sampled, so the model's own preference is not what makes the output conform
+        r = client.completions.create(model="tiny", prompt="Answer:", temperature=1.0, seed=seed, max_tokens=24,
+                                      extra_body=extra)
+        check_structured(mode, r.choices[0].text, r.choices[0].finish_reason)
+        c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Answer me"}],
+                                           temperature=1.0, seed=seed, max_tokens=24, extra_body=extra)
+        check_structured(mode, c.choices[0].message.content, c.choices[0].finish_reason)
+
+
+CHAT_REFUSALS = [
+    ("bad role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("tool_choice auto", {"tool_choice": "auto"}, "tool_choice"),
+    ("functions", {"functions": [{"name": "f"}]}, "functions"),
+    ("function_call", {"function_call": {"name": "f"}}, "function_call"),
+    ("parallel_tool_calls", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("tool_calls in a message", {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
+     "messages[0].tool_calls"),
+    ("unknown field", {"frobnicate": 1}, "frobnicate"),
+    ("guided_choice (vLLM's old name)", {"guided_choice": ["a"]}, "guided_choice"),
+    ("vLLM option forerun lacks", {"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
+    ("two structured modes", {"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ("both structured fields", {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),
+]
+
+
+@pytest.mark.parametrize("name,extra,param", CHAT_REFUSALS, ids=[c[0] for c in CHAT_REFUSALS])
+def test_unsupported_chat_fields_are_400_naming_the_field(server, name, extra, param):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param + ":"), err
+
+
+def test_tool_choice_none_and_every_role_accepted(server):
+    messages = [{"role": r, "content": "hi"} for r in ("system", "developer", "user")]
+    for extra in ({"tool_choice": "none"}, {"function_call": "none"}):
+        body = {"model": "tiny", "messages": messages, "max_tokens": 2, **extra}
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+        assert r.status_code == 200, r.text
+    body = {"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "calling"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"}]}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+    assert r.status_code in (200, 400), r.text  # the template decides what it renders; never a 5xx
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] == "messages"
+
+
+def test_unknown_model_404_lists_the_served_names(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "SmolLM2", "prompt": "hi"},
+                   headers=server.headers)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+    assert "`tiny`" in err["message"] and "`tiny-alias`" in err["message"], err
 
 
 BAD_REQUESTS = [
@@ -308,6 +407,10 @@ def test_real_model_paris_then_engine_death_gives_503(smollm2_dir):
     try:
         c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         model = c.models.list().data[0].id
+        # A short id, not the cache folder's `SmolLM2-135M-Instruct.Q4_1-<hash>`; the longer names still work.
+        assert model == "SmolLM2-135M-Instruct", model
+        for alias in ("HuggingFaceTB/SmolLM2-135M-Instruct", str(smollm2_dir.name), str(smollm2_dir)):
+            assert c.completions.create(model=alias, prompt="Hi", max_tokens=1).model == model
         r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
                                       temperature=0.0, max_tokens=16)
         assert "Paris" in r.choices[0].message.content

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from typing import Any
 
@@ -18,12 +19,15 @@ import jsonschema
 import psutil
 import pytest
 
+from forerun.engine.tokenizer import Tokenizer
+from forerun.entrypoints.openai.input_checks import TextLimit
 from fuzz_bodies import CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, mutations
 from serve_helpers import Server, alive, descendants, start_server, stop_server, tree_rss_bytes, wait_idle
 from sse_client import StreamResult, stream, whole
 
 API_KEY = "robust-key"
 NUM_BLOCKS = 1024
+MAX_BODY_MB = 16
 CLIENTS = 128
 WAVES = 3
 # Structured requests per wave: few, because a step with a grammar in it is several times slower here.
@@ -43,8 +47,11 @@ def report(case: str, **figures: Any) -> None:
 def server(tiny_llama_dir):
     # The key comes from the environment only, so FORERUN_API_KEY is what this module tests (test_server.py
     # covers --api-key); no --host either, so the default bind address is what the auth test sees.
-    srv = start_server(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "256",
-                       "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16", env={"FORERUN_API_KEY": API_KEY})
+    # fp32: the load test compares streamed greedy text with a later lone request's, and in bf16 a
+    # row's logits depend on the batch it ran in.
+    srv = start_server(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
+                       "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16",
+                       "--max-request-body-mb", str(MAX_BODY_MB), env={"FORERUN_API_KEY": API_KEY})
     srv.api_key = API_KEY
     try:
         yield srv
@@ -114,6 +121,8 @@ def test_auth_on_every_route_and_loopback_bind(server):
                 assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
                 refused += 1
         assert c.get("/health").status_code == 200  # liveness probes carry no key
+        for scheme in ("bearer", "BEARER", "Bearer"):  # RFC 7235: the scheme is case-insensitive
+            assert c.get("/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200, scheme
         ok = {"Authorization": f"Bearer {API_KEY}"}
         assert c.get("/v1/models", headers=ok).json()["data"][0]["id"] == "tiny"
         assert "forerun:kv_cache_blocks_total" in c.get("/metrics", headers=ok).text
@@ -122,6 +131,110 @@ def test_auth_on_every_route_and_loopback_bind(server):
                  if c.status == psutil.CONN_LISTEN]
     assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
     report("auth", refused=refused, listening=[f"{a.ip}:{a.port}" for a in listening])
+
+
+def post_raw(c: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+    # json.dumps as Python writes it: a lone surrogate goes out as the escape "\ud800", as a careless client sends it.
+    return c.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+HI = [{"role": "user", "content": "hi"}]
+SURROGATES = [
+    (COMPLETIONS, {"prompt": "a\ud800b"}, "prompt"),
+    (COMPLETIONS, {"prompt": ["fine", "\udfff"]}, "prompt[1]"),
+    (COMPLETIONS, {"prompt": "hi", "stop": ["ok", "\ud800"]}, "stop[1]"),
+    (COMPLETIONS, {"prompt": "hi", "model": "tiny\ud800"}, "model"),
+    (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"choice": ["yes", "\ud83d"]}}, "structured_outputs.choice[1]"),
+    (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x\udfff"}]}]},
+     "messages[0].content[0].text"),
+    (CHAT, {"messages": HI, "stop": "\ud800"}, "stop"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages[0].name"),
+]
+
+
+def test_lone_surrogates_are_400_naming_the_field(server):
+    # These reached the tokenizer, whose TypeError was answered with a 500.
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+        for path, extra, param in SURROGATES:
+            r = post_raw(c, path, {"model": "tiny", "max_tokens": 2, **extra})
+            assert r.status_code == 400, (extra, r.status_code, r.text[:300])
+            err = r.json()["error"]
+            assert err["param"] == param and "not valid Unicode" in err["message"], (extra, err)
+        assert c.post(COMPLETIONS, json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_10mb_prompt_is_a_fast_400_while_health_stays_quick(server, tiny_llama_dir):
+    # A 10 MB prompt was tokenized in full on the event loop before its length was checked: every other
+    # request (and /health) stalled for seconds, and the API process kept ~1 GB afterwards.
+    big = "hello world " * (10 * 2**20 // 12)
+    # Just under the character bound: passes the size check, is tokenized on a worker thread, and is
+    # then refused for its token count.
+    near_limit = "hello world " * (TextLimit(Tokenizer.from_folder(tiny_llama_dir), 256).max_chars // 12)
+    cases = [("completion", COMPLETIONS, {"prompt": big}), ("chat", CHAT, {"messages": [{"role": "user", "content": big}]}),
+             ("prompt list", COMPLETIONS, {"prompt": ["hi", big]}), ("near limit", COMPLETIONS, {"prompt": near_limit})]
+    # Encoded up front, so the client's own JSON work does not delay the health probe's thread.
+    bodies = [(name, path, json.dumps({"model": "tiny", "max_tokens": 4, **extra}).encode()) for name, path, extra in cases]
+    api = psutil.Process(server.proc.pid)
+    rss_before = api.memory_info().rss
+    stop = threading.Event()
+    health: list[float] = []
+
+    def poll_health() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=30) as hc:
+            while not stop.is_set():
+                t = time.monotonic()
+                assert hc.get("/health").status_code == 200
+                health.append(time.monotonic() - t)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    results = []
+    try:
+        time.sleep(0.1)
+        with httpx.Client(base_url=server.base_url, headers={**server.headers, "Content-Type": "application/json"},
+                          timeout=60) as c:
+            for name, path, body in bodies * 2:
+                t = time.monotonic()
+                r = c.post(path, content=body)
+                results.append((name, r, time.monotonic() - t))
+    finally:
+        stop.set()
+        poller.join()
+    rss_growth_mb = (api.memory_info().rss - rss_before) / 2**20
+    report("big_prompt", seconds=[round(s, 2) for _, _, s in results], worst_health_s=round(max(health), 3),
+           health_polls=len(health), api_rss_growth_mb=round(rss_growth_mb, 1))
+    for name, r, seconds in results:
+        assert r.status_code == 400, (name, r.text[:300])
+        err = r.json()["error"]
+        expected = {"chat": "messages", "prompt list": "prompt[1]"}.get(name, "prompt")
+        assert err["param"] == expected, (name, err)
+        assert ("tokens is too long" if name == "near limit" else "characters cannot fit") in err["message"], err
+        assert seconds < 3.0, (name, seconds)
+    assert max(health) < 1.0 and len(health) >= 5
+    assert rss_growth_mb < 150
+
+
+def test_body_over_the_limit_is_413_before_it_is_parsed(server):
+    body = b'{"model": "tiny", "prompt": "' + b"x" * (MAX_BODY_MB * 2**20) + b'"}'
+    with httpx.Client(base_url=server.base_url, headers={**server.headers, "Content-Type": "application/json"},
+                      timeout=60) as c:
+        t = time.monotonic()
+        r = c.post(COMPLETIONS, content=body)
+        seconds = time.monotonic() - t
+
+        def chunks():  # no Content-Length: the server counts the bytes as they come
+            for _ in range(MAX_BODY_MB + 1):
+                yield b"x" * 2**20
+        chunked = c.post(COMPLETIONS, content=chunks())
+    report("body_limit", seconds=round(seconds, 2))
+    for resp in (r, chunked):
+        assert resp.status_code == 413, resp.text[:300]
+        assert resp.json()["error"]["code"] == "request_too_large"
+    assert seconds < 3.0
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+        assert c.post(COMPLETIONS, json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
 def test_load_waves_complete_and_leave_nothing_behind(server):
@@ -263,6 +376,9 @@ def test_fuzz_embeddings_never_5xx():
         good = {"model": "mini", "input": ["a cat", "a kitten"]}
         with httpx.Client(base_url=srv.base_url, timeout=60) as c:
             before = c.post(EMBEDDINGS, json=good).json()["data"]
+            for inp, param in (("\ud800", "input"), (["fine", "x\udfff"], "input[1]")):
+                r = post_raw(c, EMBEDDINGS, {"model": "mini", "input": inp})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
             t0 = time.monotonic()
             sent, refused = fuzz(srv, EMBEDDINGS, good, EMBEDDING_FIELDS, random.Random(11), per_field=12)
             # Generation routes on an embedding server are refused, also with fuzzed bodies.

@@ -7,6 +7,7 @@ chat template, so the engine never needs `transformers` at run time.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -114,6 +115,16 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _raise_if_not_unicode(field: str, text: str) -> None:
+    """ValueError naming `field` when `text` holds a lone surrogate (JSON's "\\ud800" decodes to one):
+    such a string has no UTF-8 form, and the Rust tokenizer refuses it with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field}: not valid Unicode: lone surrogate {text[exc.start]!r} at index {exc.start}"
+                         ) from None
+
+
 def _validate_messages(messages: Any) -> None:
     if not isinstance(messages, list):
         raise ValueError(f"messages: expected a list of dicts, got {type(messages).__name__}")
@@ -200,15 +211,39 @@ class Tokenizer:
         return ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Holds the GIL for the whole call; `encode_batch` releases it (use that from a worker thread)."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
-        return self._with_bos(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+        try:
+            encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            _raise_if_not_unicode("text", text)
+            raise
+        return self._with_bos(encoding.ids, add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError("texts: expected a list of strings")
-        encodings = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        try:
+            encodings = self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        except TypeError:
+            for i, t in enumerate(texts):
+                _raise_if_not_unicode(f"texts[{i}]", t)
+            raise
         return [self._with_bos(e.ids, add_special_tokens) for e in encodings]
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (at least 1).
+
+        A vocabulary entry is spelled with at least one character per character it covers: byte-level
+        BPE spells each byte with one character (and a character is at least one byte), SentencePiece
+        spells a space as one `▁`, WordPiece adds a `##`. So a text of more than
+        `max_token_chars * k` characters needs more than k tokens, unless the normalizer drops or merges
+        characters (BERT drops whitespace runs, NFC merges combining marks): callers bounding input size
+        by this must leave room for that.
+        """
+        return max(1, max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # The detokenizer calls this twice per token per request: no copy of a list it already made.

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
 from forerun.entrypoints.engine_args import add_engine_args
 
@@ -12,6 +15,8 @@ from forerun.entrypoints.engine_args import add_engine_args
 SERVE_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "zmq", "msgspec", "prometheus_client",
                                  "pydantic", "pydantic_core"})
 API_KEY_ENV = "FORERUN_API_KEY"  # read at run time, so the key need not appear in `ps` output
+DEFAULT_MAX_REQUEST_BODY_MB = 32.0
+logger = logging.getLogger("forerun.serve")
 SERVE_EXTRA_HINT = ("forerun serve needs the 'serve' extra, which is not installed (missing module {name!r}). "
                     "Install it with:\n    pip install 'forerun[serve]'\n"
                     "or, from a checkout of forerun:\n    pip install -e '.[serve]'")
@@ -23,9 +28,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer <key>` on every route but /health "
-                             f"(default: ${API_KEY_ENV} when set)")
-    parser.add_argument("--served-model-name", default=None, help="model name clients must use (default: MODEL)")
+                        help="require `Authorization: Bearer <key>` on every route but /health (visible in `ps`: "
+                             f"prefer --api-key-file or ${API_KEY_ENV}, used when neither flag is given)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="read the API key from this file (surrounding whitespace stripped)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="name(s) clients may use for the model; the first is the one responses carry "
+                             "(default: a short name made from MODEL, which also accepts MODEL as given)")
+    parser.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_REQUEST_BODY_MB,
+                        help="refuse (413) request bodies larger than this many MiB (default: %(default)s)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
@@ -37,9 +48,14 @@ def run_serve(args: argparse.Namespace) -> None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    if args.api_key is None:
-        args.api_key = os.environ.get(API_KEY_ENV) or None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ)
+    args.api_key_file = None  # read; the key travels on as args.api_key only
+    if not 0 < args.max_request_body_mb < float("inf"):
+        raise SystemExit(f"forerun serve: --max-request-body-mb must be a number > 0, got {args.max_request_body_mb}")
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        logger.warning(warning)
     # Imported here so `forerun --help` does not pay for FastAPI and uvicorn.
     try:
         from forerun.entrypoints.openai.api_server import run_server
@@ -49,6 +65,51 @@ def run_serve(args: argparse.Namespace) -> None:
             raise
         raise SystemExit(SERVE_EXTRA_HINT.format(name=top)) from None
     run_server(args)
+
+
+def resolve_api_key(flag: str | None, key_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key from --api-key, else --api-key-file, else $FORERUN_API_KEY; None when none is given.
+
+    An empty key is refused (SystemExit), wherever it comes from: it would read as "auth on" to whoever
+    set it, while every client would get in.
+    """
+    if flag is not None and key_file is not None:
+        raise SystemExit("forerun serve: give --api-key or --api-key-file, not both")
+    if flag is not None:
+        key, source = flag, "--api-key"
+    elif key_file is not None:
+        source = f"--api-key-file {key_file}"
+        try:
+            key = Path(key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"forerun serve: {source}: cannot read it ({exc})") from None
+    elif API_KEY_ENV in environ:
+        key, source = environ[API_KEY_ENV], f"${API_KEY_ENV}"
+    else:
+        return None
+    if not key.strip():
+        raise SystemExit(f"forerun serve: {source} is empty; give a key, or leave it out to serve without one")
+    if any(c.isspace() for c in key) or not key.isprintable():
+        raise SystemExit(f"forerun serve: {source}: the key must not contain whitespace or control characters "
+                         "(it is sent in an `Authorization: Bearer <key>` header)")
+    return key
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning to log when the server is reachable from other machines without a key, else None."""
+    if api_key is not None or _is_loopback(host):
+        return None
+    return (f"listening on {host or 'every interface'} without an API key: anyone who can reach this address can "
+            f"use the model. Pass --api-key-file or set ${API_KEY_ENV}, or serve on 127.0.0.1")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name (other than localhost) or "": may be reachable from outside
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
+import socket
 from http import HTTPStatus
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,33 +13,42 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from forerun.engine.async_llm import AsyncLLM, EngineDeadError
 from forerun.entrypoints.engine_args import engine_config_from_args
-from forerun.entrypoints.openai.errors import APIError, error_body, error_response, install_error_handlers
+from forerun.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from forerun.entrypoints.openai.metrics import ServerMetrics
+from forerun.entrypoints.openai.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from forerun.entrypoints.openai.model_names import ServedModelNames
 from forerun.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from forerun.entrypoints.openai.serving_chat import OpenAIServingChat
 from forerun.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from forerun.entrypoints.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
+from forerun.loader.model_source import DEFAULT_MODEL_NAMES
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """An app serving `engine` under `served_model_name`.
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+
+
+def build_app(engine: AsyncLLM, names: ServedModelNames | str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving `engine` under `names` (one name, or a ServedModelNames with its aliases).
 
     The app owns the engine's life: its startup starts the output reader, its shutdown stops the core
     process. With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` (a liveness
-    probe carries no key; /metrics and /docs would tell a stranger what runs here).
+    probe carries no key; /metrics and /docs would tell a stranger what runs here). A body over
+    `max_body_bytes` is refused (413) before any route reads it.
     """
-    metrics = ServerMetrics(served_model_name)
-    completions = OpenAIServingCompletion(engine, served_model_name, metrics)
-    chat = OpenAIServingChat(engine, served_model_name, metrics)
-    embeddings = OpenAIServingEmbedding(engine, served_model_name, metrics)
+    if isinstance(names, str):
+        names = ServedModelNames([names])
+    metrics = ServerMetrics(names.primary)
+    completions = OpenAIServingCompletion(engine, names, metrics)
+    chat = OpenAIServingChat(engine, names, metrics)
+    embeddings = OpenAIServingEmbedding(engine, names, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -54,8 +63,10 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    # Added last runs first: the key is checked before a stranger's body is even read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -71,8 +82,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, root=str(engine.model_folder),
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=str(engine.model_folder), max_model_len=engine.max_model_len)
+                               for name in names.listed])
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -96,30 +107,6 @@ def _require_generation(engine: AsyncLLM) -> None:
         raise APIError(HTTPStatus.BAD_REQUEST, f"runner: this server runs a {engine.runner} (embedding) model; "
                        "use /v1/embeddings, or serve a generation model for completions",
                        param="model", code="model_not_supported")
-
-
-_OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
-
-
-class _ApiKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware), so streaming responses and disconnects pass through untouched.
-
-    Unknown paths are refused too (401, not 404), so a stranger cannot map the routes.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = JSONResponse(error_body("Incorrect API key provided.", "invalid_request_error",
-                                                   code="invalid_api_key"), status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 ENGINE_DEAD_EXIT_DELAY_S = 3.0  # /health answers 503 this long before the server exits, so probes see why
@@ -166,19 +153,55 @@ class _Server(uvicorn.Server):
             self.loop.call_soon_threadsafe(self.engine.abort_all, "server is shutting down")
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Start the engine core, then serve until SIGINT/SIGTERM; the core never outlives this call."""
-    config = engine_config_from_args(args)
-    engine = AsyncLLM(config, show_progress=True)
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound (not yet listening) sockets for every address `host` names, as uvicorn would bind them.
+
+    Done before the model loads, so a busy port or a bad host fails in a second with one line, not
+    after a minute of loading. Until uvicorn listens on them, connections are refused.
+    """
+    where = f"{host}:{port}"
     try:
-        name = args.served_model_name or config.model or engine.model_folder.name
-        app = build_app(engine, name, args.api_key)
-        uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                   timeout_graceful_shutdown=10)
-        logger.info("serving %s on http://%s:%d", name, args.host, args.port)
-        server = _Server(uv_config, engine)
-        server.run()
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SystemExit(f"forerun serve: cannot listen on {where}: {exc.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, address in dict.fromkeys((i[0], i[1], i[2], i[4]) for i in infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise SystemExit(f"forerun serve: cannot listen on {where}: {exc.strerror or exc}") from None
+    return sockets
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Bind the port, start the engine core, then serve until SIGINT/SIGTERM; the core never outlives
+    this call."""
+    sockets = bind_sockets(args.host, args.port)
+    try:
+        config = engine_config_from_args(args)
+        engine = AsyncLLM(config, show_progress=True)
+        try:
+            names = ServedModelNames.for_model(args.served_model_name, config.model, engine.model_folder,
+                                               DEFAULT_MODEL_NAMES)
+            max_body = int(getattr(args, "max_request_body_mb", DEFAULT_MAX_BODY_BYTES / 2**20) * 2**20)
+            app = build_app(engine, names, args.api_key, max_body_bytes=max_body)
+            uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                       timeout_graceful_shutdown=10)
+            port = sockets[0].getsockname()[1]
+            logger.info("serving %s on http://%s:%d", ", ".join(names.listed), args.host, port)
+            server = _Server(uv_config, engine)
+            server.run(sockets=sockets)
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        for sock in sockets:
+            sock.close()
     if server.engine_failed:
         raise SystemExit(f"forerun serve: {server.engine_failed}; exiting with status 1 so a supervisor restarts it")

@@ -50,9 +50,17 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {exc!r}", "internal_error")
 
 
+class ErrorJSONResponse(JSONResponse):
+    """An error body rendered with `ensure_ascii`: a message may quote the client's text, and text with a
+    lone surrogate has no UTF-8 form (the default rendering would fail, turning a 400 into a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     err = to_api_error(exc)
-    return JSONResponse(error_body(err.message, err.err_type, err.param, err.code), status_code=int(err.status))
+    return ErrorJSONResponse(error_body(err.message, err.err_type, err.param, err.code), status_code=int(err.status))
 
 
 def sse_error(exc: BaseException) -> str:
@@ -61,29 +69,60 @@ def sse_error(exc: BaseException) -> str:
     return f"data: {json.dumps(error_body(err.message, err.err_type, err.param, err.code))}\n\n"
 
 
+# Fields clients send that forerun refuses (every unknown field is refused), with why and what instead.
+_UNSUPPORTED_HINTS = {
+    "tools": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "parallel_tool_calls": "tool calling is not supported by this server",
+    "tool_calls": "tool calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "guided_json": "use structured_outputs: {\"json\": ...} (vLLM's current name)",
+    "guided_regex": "use structured_outputs: {\"regex\": ...} (vLLM's current name)",
+    "guided_choice": "use structured_outputs: {\"choice\": [...]} (vLLM's current name)",
+    "guided_grammar": "use structured_outputs: {\"grammar\": ...} (vLLM's current name)",
+}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """("body", "messages", 0, "role") -> "messages[0].role", the spelling forerun's own errors use."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    # Unknown fields first: "messages: field required" is less useful than naming the stray field.
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+    param = _field_path(tuple(first.get("loc", ()))) or None
     if first.get("type") == "json_invalid":
         return f"invalid JSON body: {first.get('msg')}", None
+    if first.get("type") == "extra_forbidden":
+        name = str(first.get("loc", ("",))[-1])
+        why = _UNSUPPORTED_HINTS.get(name, "unknown field; forerun does not support it")
+        return f"{param}: {why}", param
     return f"{param or 'body'}: {first.get('msg')}", param
 
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return ErrorJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     async def on_any(_: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), err_type), status_code=exc.status_code)
+        return ErrorJSONResponse(error_body(str(exc.detail), err_type), status_code=exc.status_code)
 
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]

@@ -19,28 +19,53 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    """Unknown fields are accepted and ignored, as OpenAI-compatible servers commonly do."""
+    """A response body (or part of one)."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=())
 
 
-class StreamOptions(OpenAIModel):
+class RequestModel(OpenAIModel):
+    """A request body (or part of one). Unknown fields are refused (400 naming the field), never
+    dropped: a field a client sends is one it expects to act, and forerun cannot honour one it does
+    not know."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+
+
+MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_PROMPTS = 2048  # prompts in one completions request, as for embeddings' inputs
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(OpenAIModel):
+class JsonSchemaFormat(RequestModel):
+    """`name` and `description` only label the schema; the output is always held to it (`strict` or not)."""
+
     name: str = "schema"
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIModel):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingRequest(OpenAIModel):
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` field: exactly one of these (vLLM's other options, such as
+    whitespace_pattern or structural_tag, are refused as unknown fields)."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat. Invariant: `sampling_params` raises ValueError naming the field."""
 
     model: str | None = None
@@ -58,10 +83,14 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extension: json, regex, choice, grammar
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's extension
+    bad_words: list[str] | None = None  # vLLM's extension
     priority: int = 0  # vLLM's extension: lower runs first, when served with --scheduling-policy priority
     user: str | None = None
 
@@ -89,13 +118,22 @@ class SamplingRequest(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured_outputs(),
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             # A response sent in one piece needs only the final output: no per-step text or copies.
             output_kind="cumulative" if self.stream else "final_only",
         )
 
     def _structured_outputs(self) -> Any:
         fmt = self.response_format
-        if fmt is None or fmt.type == "text":
+        wants_format = fmt is not None and fmt.type != "text"
+        if self.structured_outputs is not None:
+            if wants_format:
+                raise ValueError("structured_outputs: give either structured_outputs or a response_format "
+                                 "of json_object / json_schema, not both")
+            return self._vllm_structured_outputs(self.structured_outputs)
+        if fmt is None or not wants_format:
             return None
         try:
             from forerun.structured.spec import StructuredOutputsParams
@@ -106,6 +144,26 @@ class SamplingRequest(OpenAIModel):
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise ValueError("response_format.json_schema.schema: required when type is json_schema")
         return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+
+    @staticmethod
+    def _vllm_structured_outputs(spec: StructuredOutputsRequest) -> Any:
+        from forerun.structured.spec import StructuredOutputsParams
+        params = StructuredOutputsParams(json=spec.json_schema, json_object=bool(spec.json_object), regex=spec.regex,
+                                         choice=spec.choice, grammar=spec.grammar)
+        params.validate()  # here, so its error names the request's field before any tokenizing
+        return params
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids; ranges and the vocabulary are checked by SamplingParams and
+        the engine, each with an error naming logit_bias."""
+        if self.logit_bias is None:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias: keys must be token ids written as decimal integers, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -134,13 +192,18 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt: must not be empty")
         if all(isinstance(t, int) for t in p):
             return [list(p)]  # type: ignore[arg-type]
+        if len(p) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}")
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatMessage(OpenAIModel):
-    role: str
+class ChatMessage(RequestModel):
+    """One message; `tool_call_id` (a tool message's answer to a call) reaches the template as given."""
+
+    role: Literal[MESSAGE_ROLES]  # type: ignore[valid-type]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -151,6 +214,17 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling does not exist yet: these are declared only so that asking for nothing ("none") is
+    # accepted; anything else is refused in `check_tools` (tools, functions, parallel_tool_calls are
+    # unknown fields, refused with a 400 naming them).
+    tool_choice: Any = None
+    function_call: Any = None
+
+    def check_tools(self) -> None:
+        for name in ("tool_choice", "function_call"):
+            value = getattr(self, name)
+            if value is not None and value != "none":
+                raise ValueError(f"{name}: tool calling is not supported by this server (only \"none\" is accepted)")
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -182,6 +256,8 @@ class ChatCompletionRequest(SamplingRequest):
             msg: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
 

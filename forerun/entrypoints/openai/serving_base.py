@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from http import HTTPStatus
 from typing import TypeVar
 
 from fastapi import Request
@@ -13,8 +12,9 @@ from pydantic import BaseModel
 
 from forerun.engine.async_llm import AsyncLLM
 from forerun.engine.input_processor import Prompt
-from forerun.entrypoints.openai.errors import APIError
+from forerun.entrypoints.openai.input_checks import TextLimit, check_unicode
 from forerun.entrypoints.openai.metrics import ServerMetrics
+from forerun.entrypoints.openai.model_names import ServedModelNames
 from forerun.outputs import RequestOutput
 from forerun.sampling_params import SamplingParams
 
@@ -36,18 +36,22 @@ def sse(chunk: BaseModel) -> str:
 
 
 class ServingBase:
-    """Invariant: every request this class starts is observed in the metrics once, when it finishes."""
+    """Invariants: every request this class starts is observed in the metrics once, when it finishes;
+    no text is tokenized before `check_request` passed and its size was checked against `limit`, and
+    none is tokenized on the event loop."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLM, names: ServedModelNames, metrics: ServerMetrics) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.names = names
+        self.model_name = names.primary
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
+        self.limit = TextLimit(engine.tokenizer, engine.max_model_len)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.", "invalid_request_error",
-                           param="model", code="model_not_found")
+    def check_request(self, req: BaseModel) -> None:
+        """Valid Unicode everywhere (first: an error echoing bad text could not be encoded), then the model."""
+        check_unicode(req)
+        self.names.check(getattr(req, "model", None))
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:

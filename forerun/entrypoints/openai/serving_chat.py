@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,9 +27,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt"})
 class OpenAIServingChat(ServingBase):
     """The prompt is the template's text encoded without extra special tokens (the template holds them)."""
 
-    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        """ValueError naming the field when the template cannot render this request."""
-        messages = req.message_dicts()
+    def render(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+        """The prompt text; ValueError naming the field when the template cannot render this request."""
         kwargs = req.chat_template_kwargs or {}
         clash = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if clash:
@@ -40,12 +41,23 @@ class OpenAIServingChat(ServingBase):
         except Exception as exc:  # the template is user-facing code: whatever it raises is about this input
             field = "chat_template_kwargs" if kwargs else "messages"
             raise ValueError(f"{field}: the chat template could not render this request ({exc!r})") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
+
+    async def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """Size-checked before rendering (the messages' text) and before tokenizing (the rendered text,
+        which template kwargs may have grown); both run on a worker thread."""
+        messages = req.message_dicts()
+        self.limit.check("messages", sum(len(m["content"]) for m in messages))
+        text = await asyncio.get_running_loop().run_in_executor(None, self.render, req, messages)
+        self.limit.check("messages", len(text))
+        [ids] = await self.limit.encode([text], add_special_tokens=False)
+        return ids
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        self.check_request(req)
+        req.check_tools()
         params = req.sampling_params(req.max_output_tokens, req.num_logprobs)
-        prompt = self.prompt_ids(req)
+        prompt = await self.prompt_ids(req)
         rid = random_id("chatcmpl")
         stream = self.generate(prompt, params, rid, req.priority)
         try:

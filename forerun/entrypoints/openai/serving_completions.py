@@ -20,11 +20,12 @@ class OpenAIServingCompletion(ServingBase):
     """Choice `i * n + j` is completion j of prompt i, as in OpenAI's API."""
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        self.check_request(req)
         prompts = req.prompts()
         params = req.sampling_params(req.max_tokens, req.logprobs)
+        prompt_ids = await self._tokenize(prompts, many=not isinstance(req.prompt, str))
         rid = random_id("cmpl")
-        gens = [self.generate(p, params, f"{rid}-{i}", req.priority) for i, p in enumerate(prompts)]
+        gens = [self.generate(p, params, f"{rid}-{i}", req.priority) for i, p in enumerate(prompt_ids)]
         stream = merge(gens) if len(gens) > 1 else indexed(gens[0])
         try:
             if req.stream:
@@ -35,6 +36,20 @@ class OpenAIServingCompletion(ServingBase):
         except ClientDisconnected:
             return Response(status_code=499)
         return JSONResponse(self._response(req, rid, [finals[i] for i in range(len(prompts))]).model_dump())
+
+    async def _tokenize(self, prompts: list[str | list[int]], many: bool) -> list[list[int]]:
+        """Token ids of every prompt: text is size-checked, then tokenized on a worker thread, as the
+        engine would (with the tokenizer's special tokens)."""
+        texts: list[str] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                field = f"prompt[{i}]" if many else "prompt"
+                if not p:
+                    raise ValueError(f"{field}: must not be empty")
+                self.limit.check(field, len(p))
+                texts.append(p)
+        encoded = iter(await self.limit.encode(texts) if texts else [])
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
     def _response(self, req: CompletionRequest, rid: str, finals: list[RequestOutput]) -> CompletionResponse:
         choices, usage = [], UsageInfo()

@@ -19,15 +19,16 @@ from pydantic_core import PydanticCustomError
 
 from forerun.engine.input_processor import Prompt
 from forerun.entrypoints.openai.errors import APIError
-from forerun.entrypoints.openai.protocol import OpenAIModel, random_id
+from forerun.entrypoints.openai.protocol import OpenAIModel, RequestModel, random_id
 from forerun.entrypoints.openai.serving_base import ClientDisconnected, ServingBase, run_until_disconnect
 from forerun.outputs import EmbeddingOutput
 
 MAX_INPUTS = 2048  # OpenAI's limit on the number of inputs in one request
 
 
-class EmbeddingRequest(OpenAIModel):
-    """OpenAI's embeddings body. Strict types: `true` is not a token id and `"1"` is not one either."""
+class EmbeddingRequest(RequestModel):
+    """OpenAI's embeddings body. Strict types: `true` is not a token id and `"1"` is not one either.
+    Unknown fields (vLLM's truncate_prompt_tokens, normalize, ...) are refused, naming the field."""
 
     model: str | None = None
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
@@ -106,12 +107,12 @@ class OpenAIServingEmbedding(ServingBase):
         self.dim = embedding_dim(self.engine.model_folder)
 
     async def create(self, req: EmbeddingRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        self.check_request(req)
         if self.engine.runner != "pooling":
             raise APIError(HTTPStatus.BAD_REQUEST, "runner: this server runs a generation model; embeddings "
                            "need a model served with --runner pooling", param="model", code="model_not_supported")
         self._check_dimensions(req.dimensions, self.dim)
-        prompts = req.prompts()
+        prompts = await self._tokenize(req.prompts())
         rid = random_id("embd")
         try:
             outs = await run_until_disconnect(raw, self._embed_all(prompts, rid))
@@ -125,6 +126,18 @@ class OpenAIServingEmbedding(ServingBase):
         body = EmbeddingResponse(id=rid, created=int(time.time()), model=self.model_name, data=data,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
         return JSONResponse(body.model_dump())
+
+    async def _tokenize(self, prompts: list[Prompt]) -> list[Prompt]:
+        """Text inputs as token ids: size-checked, then tokenized in one batch on a worker thread."""
+        texts: list[str] = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError("input: must not be empty")
+                self.limit.check("input", len(p))
+                texts.append(p)
+        encoded = iter(await self.limit.encode(texts) if texts else [])
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
     @staticmethod
     def _check_dimensions(dimensions: int | None, dim: int | None) -> None:
