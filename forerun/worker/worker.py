@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -60,6 +61,22 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type == "cpu" and dtype in (torch.float32, torch.float16):
         return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float16))
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+AUTO_DTYPES_ENV = "FORERUN_AUTO_DTYPES"
+
+
+def auto_dtypes(environ: Mapping[str, str]) -> list[torch.dtype]:
+    """The dtypes `dtype="auto"` measures: fp32 and bf16, or those named in $FORERUN_AUTO_DTYPES
+    (comma-separated), so that a fleet of mixed CPUs can pin one choice and give the same tokens."""
+    names = [n.strip() for n in environ.get(AUTO_DTYPES_ENV, "").split(",") if n.strip()]
+    if not names:
+        return [torch.float32, torch.bfloat16]
+    by_name = {v: k for k, v in DTYPE_NAMES.items()}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"{AUTO_DTYPES_ENV}: unknown dtype {unknown[0]!r}; use {', '.join(by_name)}")
+    return [by_name[n] for n in names]
 
 
 class Worker:
@@ -161,7 +178,7 @@ class Worker:
             return KernelChoice(DTYPE_NAMES[fixed or torch.bfloat16], "aten", {})
         if self.rank == 0:
             choice = choose_kernels(model_matmul_shapes(self.hf_config, self.tp.size), self._decode_batch(),
-                                    [fixed] if fixed else [torch.float32, torch.bfloat16], kernels,
+                                    [fixed] if fixed else auto_dtypes(os.environ), kernels,
                                     cache_dir() / "cpu_probe.json", self.gemm)
         if self.world_size > 1:  # every rank must run the same dtype, or the collectives mismatch
             box = [choice if self.rank == 0 else None]
