@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from forerun.config import EngineConfig
 from forerun.engine.core_proc import CoreMessage, EngineCoreProcess, EngineDeadError, EngineStats
+from forerun.engine.engine_core import read_model_config
 from forerun.engine.input_processor import InputProcessor, Prompt
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.tokenizer import Tokenizer
@@ -46,6 +47,8 @@ class AsyncLLM:
         self.config = config
         self.runner = config.runner
         self.model_folder: Path = resolve_model(config.model, show_progress=show_progress)
+        # Refused here, in one line, before the core process and its workers start (the core checks again).
+        config.check_model(read_model_config(self.model_folder))
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
         self.core = EngineCoreProcess(config, self.model_folder)
         self.max_model_len = self.core.info.max_model_len

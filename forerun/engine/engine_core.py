@@ -56,7 +56,7 @@ class EngineCore:
                  structured_factory: Callable[[], Any] | None = None) -> None:
         config.validate()
         self.config = config
-        config.check_model(_read_model_config(model_folder))  # before any worker starts
+        config.check_model(read_model_config(model_folder))  # before any worker starts
         self.executor = make_executor(config, model_folder)
         try:
             info = self._size_kv_cache()
@@ -328,7 +328,7 @@ class EngineCore:
             kill()
 
 
-def _read_model_config(model_folder: Path) -> dict[str, Any]:
+def read_model_config(model_folder: Path) -> dict[str, Any]:
     """The model's config.json (empty when absent: the loader then reports the missing file)."""
     path = Path(model_folder) / "config.json"
     if not path.is_file():
