@@ -9,32 +9,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-import psutil
 import pytest
 
 from forerun import LLM
+from test_executors import live_children
 
 REPO = Path(__file__).resolve().parents[1]
 LEAK = "leaked shared_memory"
 # Refused after the workers started: the KV cache (4 blocks of 16) cannot hold max_model_len 1024.
 REFUSED = dict(tensor_parallel_size=2, max_model_len=1024, num_kv_blocks=4, dtype="float32", show_progress=False)
-
-
-def live_children() -> list[psutil.Process]:
-    """Children of this process, less multiprocessing's resource tracker (it lives as long as we do)."""
-    out = []
-    for c in psutil.Process().children(recursive=True):
-        try:
-            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
-                out.append(c)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def kill_children() -> None:
-    for c in live_children():
-        c.kill()
 
 
 def run_script(body: str) -> subprocess.CompletedProcess:
@@ -45,13 +28,11 @@ def run_script(body: str) -> subprocess.CompletedProcess:
 
 
 def test_refused_start_leaves_no_worker(tiny_llama_dir):
-    try:
-        for _ in range(2):
-            with pytest.raises(ValueError, match="^max_model_len: 1024 tokens do not fit in the KV cache"):
-                LLM(model=str(tiny_llama_dir), **REFUSED)
-        assert live_children() == []
-    finally:
-        kill_children()
+    # What is left is killed after the test by conftest's reaper, passed or failed.
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^max_model_len: 1024 tokens do not fit in the KV cache"):
+            LLM(model=str(tiny_llama_dir), **REFUSED)
+    assert live_children() == []
 
 
 def test_refused_start_leaks_no_shared_memory(tiny_llama_dir):
