@@ -255,3 +255,11 @@ def test_chat_ctrl_c_stops_the_answer_and_a_second_at_the_prompt_quits(tiny_llam
             proc.kill()
             proc.wait()
         os.close(master)
+
+
+def test_bench_embed_prints_its_json():
+    res = forerun("bench", "embed", "--num-texts", "4", "--max-tokens", "24", "--skip-hf")
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    assert result["num_texts"] == 4 and result["forerun_sync"]["embeddings_per_s"] > 0
+    assert result["max_abs_diff_async_vs_sync"] == 0.0

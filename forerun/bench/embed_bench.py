@@ -16,19 +16,33 @@ from typing import Any
 
 import numpy as np
 
+from forerun.config import EngineConfig
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="embedding model folder (default: bundled all-MiniLM-L6-v2)")
-    parser.add_argument("--num-texts", type=int, default=1000)
-    parser.add_argument("--min-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-size", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="forerun's step token budget")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="forerun's most requests per step")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (both sides)")
-    parser.add_argument("--skip-hf", action="store_true", help="forerun only (no baseline, no parity)")
-    parser.add_argument("--output-json", type=Path)
+    parser.add_argument("--model", default=None,
+                        help="embedding model folder (default: the bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--num-texts", type=int, default=1000,
+                        help="number of texts to embed (default: %(default)s)")
+    parser.add_argument("--min-tokens", type=int, default=16,
+                        help="shortest text, in tokens with the special tokens (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="longest text, in tokens with the special tokens (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random texts (default: %(default)s)")
+    parser.add_argument("--hf-batch-size", type=int, default=64,
+                        help="texts per padded batch of the transformers baseline (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="forerun's token budget of one step (default: the engine's, "
+                             f"{EngineConfig.max_num_batched_tokens})")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="forerun's most requests in one step (default: the engine's, "
+                             f"{EngineConfig.max_num_seqs})")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads, for forerun and transformers alike (default: torch's, all cores)")
+    parser.add_argument("--skip-hf", action="store_true",
+                        help="run forerun only: no transformers baseline, no parity check (default: off)")
+    parser.add_argument("--output-json", type=Path,
+                        help="write the result JSON to this file (default: not written)")
 
 
 def default_model() -> Path:

@@ -41,24 +41,45 @@ class RequestResult:
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    parser.add_argument("--api-key", default=None, help="bearer token for the server")
-    parser.add_argument("--dataset-name", default="random", choices=["random"])
-    parser.add_argument("--random-input-len", type=int, default=128)
-    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="root URL of the server, without /v1 (default: %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help="model name sent in each request (default: the first model the server's /v1/models "
+                             "lists)")
+    parser.add_argument("--api-key", default=None,
+                        help="sent as `Authorization: Bearer <key>` (default: none, no header)")
+    parser.add_argument("--dataset-name", default="random", choices=["random"],
+                        help="where prompts come from; random: random token ids of --random-input-len tokens "
+                             "(default: %(default)s)")
+    parser.add_argument("--random-input-len", type=int, default=128,
+                        help="prompt length of each request, in tokens (default: %(default)s)")
+    parser.add_argument("--random-output-len", type=int, default=128,
+                        help="max_tokens of each request; with --ignore-eos every request generates exactly "
+                             "this many (default: %(default)s)")
     parser.add_argument("--random-token-range", type=int, nargs=2, default=[100, 30000], metavar=("LOW", "HIGH"),
-                        help="token ids of random prompts are drawn from [LOW, HIGH)")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+                        help="token ids of random prompts are drawn from [LOW, HIGH) (default: 100 30000)")
+    parser.add_argument("--num-prompts", type=int, default=100,
+                        help="number of requests to send (default: %(default)s)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests per second, arriving as a Poisson process; inf sends them all at once "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="the most requests in flight at once; others wait for one to finish, whatever "
+                             "--request-rate says (default: no limit)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="send ignore_eos (a vLLM extension), so requests generate past the end-of-sequence "
+                             "token (default: off)")
     parser.add_argument("--structured-output-ratio", type=float, default=0.0,
-                        help="fraction of requests asking for a JSON schema via response_format")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    parser.add_argument("--save-result", default=None, metavar="PATH", help="write the result JSON here")
-    parser.add_argument("--disable-tqdm", action="store_true")
+                        help="fraction of requests, from 0 to 1, asking for a JSON schema via response_format "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the prompts, the structured-request choice and the arrival times "
+                             "(default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="per-request timeout in seconds (default: %(default)s)")
+    parser.add_argument("--save-result", default=None, metavar="PATH",
+                        help="also write the result JSON to this file (default: only the summary is printed)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="hide the progress bar (default: shown)")
     return parser
 
 

@@ -26,36 +26,58 @@ from forerun.sampling_params import final_only
 def add_args(parser: argparse.ArgumentParser) -> None:
     from forerun.entrypoints.engine_args import add_engine_args
     add_engine_args(parser)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--vary-lengths", action="store_true", help="lengths uniform in [len/2, 3len/2]")
-    parser.add_argument("--eos", action="store_true", help="let requests stop on EOS (default: ignore_eos)")
+    parser.add_argument("--num-prompts", type=int, default=64,
+                        help="number of requests, all submitted at the start (default: %(default)s)")
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="prompt length of each request in tokens, random ids (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="tokens generated for each request (its max_tokens) (default: %(default)s)")
+    parser.add_argument("--vary-lengths", action="store_true",
+                        help="draw each request's input and output length uniformly from [len/2, 3len/2] "
+                             "(default: off: every request has exactly --input-len and --output-len)")
+    parser.add_argument("--eos", action="store_true",
+                        help="let requests stop at the end-of-sequence token (default: off: ignore_eos, so each "
+                             "generates --output-len tokens)")
     parser.add_argument("--random-model", action="store_true",
-                        help="a tiny random Llama with the default tokenizer (overhead-bound workload)")
-    parser.add_argument("--random-hidden", type=int, default=256)
-    parser.add_argument("--random-layers", type=int, default=4)
-    parser.add_argument("--random-vocab", type=int, default=8192, help="LM-head width of the random model")
-    parser.add_argument("--compare-async", action="store_true", help="run sync then async in this process")
+                        help="benchmark a tiny random Llama that uses --model's tokenizer (an overhead-bound "
+                             "workload) (default: off: --model itself)")
+    parser.add_argument("--random-hidden", type=int, default=256,
+                        help="hidden size of the --random-model (default: %(default)s)")
+    parser.add_argument("--random-layers", type=int, default=4,
+                        help="decoder layers of the --random-model (default: %(default)s)")
+    parser.add_argument("--random-vocab", type=int, default=8192,
+                        help="LM-head width (vocabulary) of the --random-model (default: %(default)s)")
+    parser.add_argument("--compare-async", action="store_true",
+                        help="run with async scheduling off, then on, in this process (default: off: one run, "
+                             "as --async-scheduling says)")
     parser.add_argument("--workload", choices=["random", "grounded"], default="random",
                         help="random token prompts, or chat prompts asking the model to repeat or lightly edit "
                              "a passage of 200+ tokens (input-grounded: where n-gram speculation pays; "
-                             "--input-len is then ignored, and requests stop at EOS or --output-len)")
+                             "--input-len is then ignored, and requests stop at EOS or --output-len) "
+                             "(default: %(default)s)")
     parser.add_argument("--compare-spec", action="store_true",
-                        help="run without, then with --speculative-config, in this process")
+                        help="run without, then with --speculative-config, in this process (default: off)")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run each mode this many times, interleaved; tok/s reported as min and median")
+                        help="run each mode this many times, interleaved; tok/s reported as min and median "
+                             "(default: %(default)s)")
     parser.add_argument("--structured-output-ratio", type=float, default=0.0,
-                        help="share of requests constrained to a JSON schema")
-    parser.add_argument("--compare-hf", action="store_true", help="also run transformers generate (static batches)")
+                        help="share of requests, from 0 to 1, constrained to a JSON schema; they stop when the "
+                             "JSON closes (default: %(default)s)")
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="also run transformers generate in static batches of up to --max-num-seqs "
+                             "requests (default: off)")
     parser.add_argument("--forward-only", action="store_true",
                         help="also replay the same steps with no engine (forward + sample only) and report "
-                             "the engine's share of the time")
+                             "the engine's share of the time (default: off)")
     parser.add_argument("--profile", type=Path,
-                        help="profile a forward-only replay on the worker; write the top operators (JSON)")
-    parser.add_argument("--trace", type=Path, help="write the step timeline (Chrome trace JSON)")
-    parser.add_argument("--plot", type=Path, help="draw the sync/async step timelines (PNG)")
-    parser.add_argument("--output-json", type=Path)
+                        help="profile a forward-only replay on the worker and write the top operators to this "
+                             "JSON file (default: no profile)")
+    parser.add_argument("--trace", type=Path,
+                        help="write the step timeline to this file, as Chrome trace JSON (default: none)")
+    parser.add_argument("--plot", type=Path,
+                        help="draw the sync/async step timelines to this PNG file (default: none)")
+    parser.add_argument("--output-json", type=Path,
+                        help="also write the result JSON to this file (default: printed only)")
 
 
 @dataclasses.dataclass

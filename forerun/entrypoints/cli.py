@@ -46,14 +46,27 @@ def _add_log_level(p: argparse.ArgumentParser, top: bool) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=256,
+                   help="the most tokens to generate for each answer (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature: higher is more random, 0 is greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens whose probabilities add up to P; 1 keeps "
+                        "all (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="keep only the K most likely tokens; 0 or -1 keeps all (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens whose probability is below P times the most likely token's; 0 keeps all "
+                        "(default: %(default)s)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="scale the logits of tokens already in the prompt or the answer: above 1 discourages "
+                        "repeats, below 1 encourages them, 1 is off (default: %(default)s)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of the request's own random generator, so sampling repeats exactly (default: "
+                        "none: sample from the engine's generator, seeded by --seed)")
+    g.add_argument("--stop", action="append", default=None,
+                   help="stop the answer where this string appears, leaving it out; repeat the flag for "
+                        "several (default: none, only the model's end-of-sequence token)")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -210,51 +223,65 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_embed(args: argparse.Namespace) -> int:
+    import json
+
     from forerun.bench.embed_bench import run
-    run(args)
+    print(json.dumps(run(args), indent=2))  # a benchmark prints its JSON, as `bench throughput` does
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="forerun", description="An LLM serving engine that schedules one step ahead.")
     _add_log_level(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run; `forerun COMMAND --help` "
+                                "lists its options")
 
-    p = sub.add_parser("generate", help="complete one prompt, streaming tokens to the terminal")
-    p.add_argument("prompt")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    text = "complete one prompt, streaming tokens to the terminal"
+    p = sub.add_parser("generate", help=text, description=text)
+    p.add_argument("prompt", help="the text to complete")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template (default: off: "
+                        "the prompt is completed as plain text)")
     add_engine_args(p)
     _add_sampling_args(p)
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("chat", help="interactive chat that keeps the conversation")
-    p.add_argument("--system", default=None, help="system message")
+    text = "interactive chat that keeps the conversation"
+    p = sub.add_parser("chat", help=text, description=text)
+    p.add_argument("--system", default=None,
+                   help="system message that opens the conversation (default: none)")
     add_engine_args(p)
     _add_sampling_args(p)
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_chat)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    text = "OpenAI-compatible HTTP server"
+    p = sub.add_parser("serve", help=text, description=text)
     from forerun.entrypoints.serve import add_serve_args
     add_serve_args(p)
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_serve)
 
-    bench_parser = sub.add_parser("bench", help="benchmarks that print JSON")
+    text = "benchmarks: offline throughput, serving latency, embeddings"
+    bench_parser = sub.add_parser("bench", help=text, description=text)
     _add_log_level(bench_parser, top=False)
-    bench = bench_parser.add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("throughput", help="offline throughput; --compare-async for sync vs async")
+    bench = bench_parser.add_subparsers(dest="bench", required=True,
+                                        help="which benchmark; `forerun bench BENCHMARK --help` lists its options")
+    text = "offline throughput of the engine, printed as JSON; --compare-async for sync vs async"
+    p = bench.add_parser("throughput", help=text, description=text)
     from forerun.bench.throughput import add_args as add_throughput_args
     add_throughput_args(p)
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_bench_throughput)
-    p = bench.add_parser("serve", help="latency and throughput against an OpenAI-compatible server")
+    text = "latency and throughput against a running OpenAI-compatible server"
+    p = bench.add_parser("serve", help=text, description=text)
     from forerun.bench.serve_bench import add_args as add_serve_bench_args
     add_serve_bench_args(p)
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_bench_serve)
-    p = bench.add_parser("embed", help="embeddings per second, forerun vs transformers")
+    text = "embeddings per second, forerun (async off and on) vs transformers"
+    p = bench.add_parser("embed", help=text, description=text)
     from forerun.bench.embed_bench import add_args as add_embed_bench_args
     add_embed_bench_args(p)
     _add_log_level(p, top=False)

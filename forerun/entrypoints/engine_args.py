@@ -17,58 +17,101 @@ _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
            "speculative_config")
 
 
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine flags. Every default is None so `EngineConfig`'s own defaults apply."""
+    """Add the engine flags. Every default is None so `EngineConfig`'s own defaults apply; the help shows
+    those effective defaults (read from `EngineConfig`, so the two cannot drift apart)."""
+    d = EngineConfig  # the dataclass's field defaults, read as class attributes
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="model folder, .gguf file or default model name (default: the bundled SmolLM2)")
-    g.add_argument("--dtype", default=None, help="weights/activations dtype: auto, float32, bfloat16, float16")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+                   help="the model: a folder with config.json and safetensors weights, a .gguf file, or a default "
+                        "model name (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=None,
+                   help="data type of the weights and activations: auto, float32, bfloat16 or float16 (default: "
+                        f"{d.dtype}: bfloat16 on CUDA; on CPU the faster of float32 and bfloat16, measured on this "
+                        "machine)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length: the most tokens one request holds, prompt plus output (default: the "
+                        "model's max_position_embeddings, lowered with a warning to what the KV cache holds)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"the most requests scheduled in one step (default: {d.max_num_seqs})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the most tokens one step processes, prompt chunks and decodes together (default: "
+                        f"{d.max_num_batched_tokens})")
+    g.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV-cache block (default: {d.block_size})")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse KV blocks of shared prompt prefixes (default: on)")
+                   help="reuse the KV blocks of prompt prefixes computed before (default: "
+                        f"{_on_off(d.enable_prefix_caching)})")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="split long prompts across steps (default: on)")
+                   help="let a prompt larger than the step budget run in chunks over several steps; off, one step "
+                        "must hold a whole sequence (default: "
+                        f"{_on_off(d.enable_chunked_prefill)})")
     g.add_argument("--prefill-decode-policy", default=None, choices=["mixed", "split", "prefill-first"],
-                   help="what one step may hold: mixed (prefills and decodes under one budget, default), "
+                   help="what one step may hold: mixed (prefills and decodes under one budget), "
                         "split (one request's prefill chunk or every running decode) or prefill-first "
-                        "(prefill batches first, decodes when no prefill waits)")
+                        "(prefill batches first, decodes when no prefill waits) "
+                        f"(default: {d.prefill_decode_policy})")
     g.add_argument("--split-interleave-steps", type=int, default=None,
-                   help="split: at most N prefill steps in a row while decodes wait (default: 1)")
+                   help="with --prefill-decode-policy split: at most N prefill steps in a row while decodes wait "
+                        f"(default: {d.split_interleave_steps})")
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
-                   help="fcfs (default) or priority: a request's `priority` orders the queue (lower first) "
-                        "and preemption takes the lowest-priority running request")
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: 1GiB)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
-    g.add_argument("--seed", type=int, default=None, help="engine seed")
+                   help="fcfs (first come, first served) or priority: a request's `priority` orders the queue "
+                        "(lower first, arrival breaks ties) and preemption takes the lowest-priority running "
+                        f"request (default: {d.scheduling_policy})")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size of each rank, in bytes or with a unit, e.g. 2GiB or 512MiB (default: 1GiB, "
+                        "capped at what --max-num-seqs requests of --max-model-len tokens can use; "
+                        "ignored when --num-kv-blocks is given)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache size in blocks of --block-size tokens; overrides --kv-cache-memory "
+                        "(default: derived from --kv-cache-memory)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="random seed of the engine; requests without their own seed sample from it "
+                        f"(default: {d.seed})")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule one step ahead of the model (default: on for generation)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="tensor-parallel ranks")
+                   help="schedule the next step while the model runs the current one, hiding the CPU's "
+                        "scheduling time (default: on for --runner generate, off for --runner pooling)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="number of tensor-parallel ranks; each layer's weights are split across them "
+                        f"(default: {d.tensor_parallel_size})")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
-                   help="pipeline stages of contiguous layers (mp executor; ranks = stages x tensor-parallel)")
+                   help="number of pipeline stages, each holding a contiguous run of layers (mp or ray executor; "
+                        f"ranks = stages x tensor-parallel size) (default: {d.pipeline_parallel_size})")
     g.add_argument("--distributed-executor-backend", default=None,
-                   choices=["uni", "mp", "ray", "external_launcher"], help="how ranks are launched")
-    g.add_argument("--runner", default=None, choices=["generate", "pooling"], help="model runner kind")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads of each worker")
+                   choices=["uni", "mp", "ray", "external_launcher"],
+                   help="how the ranks run: uni (one rank, in this process), mp (one worker process per rank), "
+                        "ray (Ray actors) or external_launcher (each process, started by e.g. torchrun, is one "
+                        "rank) (default: uni for one rank, mp for more)")
+    g.add_argument("--runner", default=None, choices=["generate", "pooling"],
+                   help="what the model runs for: generate (text generation) or pooling (embeddings) "
+                        f"(default: {d.runner})")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads of each worker (default: all cores for one rank; on CPU the mp "
+                        "and ray executors share the cores among the ranks)")
     g.add_argument("--linear-kernel", default=None, choices=["auto", "aten", "mkldnn", "native"],
-                   help="CPU matmul kernel: F.linear, oneDNN prepacked, or forerun's C GEMM (default: auto, "
-                        "the fastest measured on this machine)")
+                   help="CPU matmul kernel: aten (F.linear), mkldnn (oneDNN, prepacked weights), native "
+                        "(forerun's C GEMM) or auto, the fastest measured on this machine "
+                        f"(default: {d.linear_kernel})")
     g.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: forerun's C kernels, built at first use (decode attention, fused norm and "
-                        "activation, rotary, GEMM); default: on when they build, --no-native-kernels for "
-                        "stock torch ops")
+                        "activation, rotary, GEMM); --no-native-kernels for stock torch ops (default: on when "
+                        "they build)")
     g.add_argument("--speculative-config", default=None,
-                   help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                   help='n-gram (prompt lookup) speculative decoding as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
-                        '"disable_by_batch_size": 32}\'')
+                        '"disable_by_batch_size": 32}\'; num_speculative_tokens is required (default: off)')
     g.add_argument("--gemv-max-rows", type=int, default=None,
                    help="CPU fp32: matmuls of up to this many rows read the weights as bf16 when that is "
-                        "exact, halving the bytes a decode step reads (default: measured; 0 turns it off)")
+                        "exact, halving the bytes a decode step reads; 0 turns it off (default: measured on "
+                        "this machine)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="run every decode step layer by layer from Python; by default a CPU decode step of "
-                        "as many rows as --gemv-max-rows runs all layers in one C call (same results)")
+                   help="run every decode step layer by layer from Python; otherwise a CPU decode step of at "
+                        "most --gemv-max-rows rows runs all layers in one C call, with the same results "
+                        f"(default: {_on_off(d.enforce_eager)})")
     return parser
 
 

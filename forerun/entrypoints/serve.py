@@ -24,21 +24,25 @@ SERVE_EXTRA_HINT = ("forerun serve needs the 'serve' extra, which is not install
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model folder, .gguf file or default model name (same as --model)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+                        help="model folder, .gguf file or default model name, the same as --model (default: "
+                             "--model, else the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; 0.0.0.0 listens on every interface (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer <key>` on every route but /health (visible in `ps`: "
-                             f"prefer --api-key-file or ${API_KEY_ENV}, used when neither flag is given)")
+                             f"prefer --api-key-file or ${API_KEY_ENV}) (default: ${API_KEY_ENV} when neither "
+                             "flag is given, else no key)")
     parser.add_argument("--api-key-file", default=None, metavar="PATH",
-                        help="read the API key from this file (surrounding whitespace stripped)")
+                        help="read the API key from this file, surrounding whitespace stripped (default: none)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                        help="name(s) clients may use for the model; the first is the one responses carry "
+                        help="name(s) clients may use for the model in requests; responses carry the first "
                              "(default: a short name made from MODEL, which also accepts MODEL as given)")
     parser.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_REQUEST_BODY_MB,
                         help="refuse (413) request bodies larger than this many MiB (default: %(default)s)")
     parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="log level of the uvicorn HTTP server, access log included (default: %(default)s)")
     add_engine_args(parser)
     return parser
 
