@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import msgspec
 import zmq
 
-from forerun.core.scheduler import SpecDecodeStats
+from forerun.core.spec_stats import SpecDecodeStats
 from forerun.engine.core_proc import CoreMessage, _CoreLoop
 from forerun.engine.engine_core import EngineStepError
 from forerun.outputs import EngineCoreOutput

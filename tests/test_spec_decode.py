@@ -13,7 +13,7 @@ import torch
 from conftest import save_tiny_model
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig, SpeculativeConfig
-from forerun.core.scheduler import SpecDecodeStats
+from forerun.core.spec_stats import SpecDecodeStats
 from forerun.engine.tokenizer import Tokenizer
 from forerun.worker.ngram_proposer import NgramProposer
 from forerun.worker.sampler import Sampler

@@ -16,7 +16,7 @@ from forerun.bench.forward_only import StepRecord, matmul_flops, record_steps, r
 from forerun.bench.workloads import (Workload, grounded_workload, make_tiny_llama, random_workload,
                                      with_structured_ratio)
 from forerun.config import EngineConfig
-from forerun.core.scheduler import SpecDecodeStats
+from forerun.core.spec_stats import SpecDecodeStats
 from forerun.core.scheduler_output import SchedulerOutput
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.step_trace import StepTrace

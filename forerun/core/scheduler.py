@@ -11,30 +11,12 @@ from forerun.core.kv_cache_manager import KVCacheManager
 from forerun.core.request_queue import add_running, make_waiting_queue
 from forerun.core.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                            SchedulerOutput)
+from forerun.core.spec_stats import SpecDecodeStats
 from forerun.core.step_policy import Phase, StepPolicy
 from forerun.outputs import EngineCoreOutput
 from forerun.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SpecDecodeStats:
-    """Speculative decoding totals since the engine started (counted for requests still live)."""
-
-    num_drafts: int = 0  # verifications: decode rows that carried at least one draft
-    num_draft_tokens: int = 0  # drafts the worker proposed
-    num_accepted_tokens: int = 0  # drafts the target model confirmed
-    num_draft_slots: int = 0  # slots the scheduler reserved (the worker fills at most these)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verification step yields: accepted drafts plus the target's own token."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(frozen=True)
