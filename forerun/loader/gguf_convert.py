@@ -16,7 +16,8 @@ from tqdm import tqdm
 from forerun.kernels.compact_weights import FORMATS
 from forerun.loader.gguf_blocks import save_gguf_blocks
 from forerun.loader.gguf_tensors import check_tensor_type, dequantize_tensor, hf_tensor_name, unpermute_rotary_rows
-from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config, vocab_from_metadata
+from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
+from forerun.loader.gguf_vocab import vocab_from_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,10 @@ def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool) -> dict[str,
 def _convert_tensors(reader: GGUFReader, config: dict[str, Any], show_progress: bool
                      ) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, torch.Tensor, int]]]:
     """fp32 tensors by HF name, and the quantized blocks of every block-quantized matrix
-    (format, uint8 rows in the same row order, row length), which small-batch matmuls read."""
+    (format, uint8 rows in the same row order, row length), which small-batch matmuls read.
+
+    Only the formats compact_weights' kernels read (Q8_0, Q4_0, Q4_1) keep their blocks; the others
+    (k-quants, Q5_0/Q5_1, IQ4) load as dense fp32 until kernels read their blocks too."""
     permute = config["model_type"] == "llama"
     out: dict[str, np.ndarray] = {}
     blocks: dict[str, tuple[str, torch.Tensor, int]] = {}

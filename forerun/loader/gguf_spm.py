@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
-if TYPE_CHECKING:
-    from forerun.loader.gguf_tokenizer import GgufVocab
+from forerun.loader.gguf_vocab import GgufVocab
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ Byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`) are built here; Sent
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
@@ -15,6 +14,7 @@ from tokenizers import pre_tokenizers, processors
 
 from forerun.byte_alphabet import byte_level_alphabet
 from forerun.loader.gguf_spm import build_spm_tokenizer
+from forerun.loader.gguf_vocab import GgufVocab
 
 logger = logging.getLogger(__name__)
 
@@ -35,90 +35,6 @@ _QWEN2_NAMES = frozenset({"qwen2", "deepseek-r1-qwen"})
 # StarCoder-lineage vocabularies (SmolLM, SmolLM2) split every digit, then apply GPT-2's regex.
 _DIGIT_SPLIT_NAMES = frozenset({"smollm", "starcoder", "refact"})
 _GPT2_NAMES = frozenset({"gpt2", "default"})
-_MODELS = ("gpt2", "llama")
-
-
-@dataclass(frozen=True)
-class GgufVocab:
-    """The tokenizer fields of a GGUF file; tokens, token_types and scores are index-aligned, and
-    every special id is None or a valid index into tokens.
-
-    `merges` is filled for BPE (`gpt2`) files only; SentencePiece (`llama`) files give `scores`
-    instead, from which `gguf_spm` derives the merges.
-    """
-
-    model: str
-    pre: str
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    bos_id: int | None
-    eos_id: int | None
-    unk_id: int | None
-    pad_id: int | None
-    add_bos: bool
-    scores: list[float] = field(default_factory=list)
-    add_eos: bool = False
-    add_space_prefix: bool = False
-
-
-def _token_id(meta: dict[str, Any], key: str, count: int, default: int | None) -> int | None:
-    value = meta.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
-        raise ValueError(f"gguf: {key} is {value!r}, not a token id below the vocabulary size {count}")
-    return value
-
-
-def _list_field(meta: dict[str, Any], key: str, count: int) -> list[Any] | None:
-    value = meta.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) != count:
-        size = len(value) if isinstance(value, list) else type(value).__name__
-        raise ValueError(f"gguf: {key} has {size} entries, but tokenizer.ggml.tokens has {count}")
-    return value
-
-
-def vocab_from_metadata(meta: dict[str, Any]) -> GgufVocab:
-    """Collect the tokenizer fields from decoded GGUF metadata; ValueError when one is missing."""
-    model = meta.get("tokenizer.ggml.model")
-    if model not in _MODELS:
-        raise ValueError(f"gguf: tokenizer.ggml.model {model!r} is not supported; supported: {list(_MODELS)} "
-                         "(byte-level BPE, SentencePiece)")
-    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
-    if not tokens:
-        raise ValueError("gguf: tokenizer.ggml.tokens is missing")
-    count = len(tokens)
-    types = _list_field(meta, "tokenizer.ggml.token_type", count) or [1] * count
-    spm = model == "llama"
-    merges: list[str] = []
-    scores: list[float] = []
-    if spm:
-        # The scores rank the merges; without them the vocabulary cannot be applied.
-        found = _list_field(meta, "tokenizer.ggml.scores", count)
-        if found is None:
-            raise ValueError("gguf: tokenizer.ggml.scores is missing (a SentencePiece vocabulary needs it)")
-        scores = [float(x) for x in found]
-    else:
-        merges = list(meta.get("tokenizer.ggml.merges") or [])
-        if not merges:
-            raise ValueError("gguf: tokenizer.ggml.tokens and tokenizer.ggml.merges must both be present")
-    # llama.cpp's defaults when a key is absent: SentencePiece files mean <unk>=0, <s>=1, </s>=2,
-    # a BOS in front and a space prefix; BPE files mean none of these.
-    return GgufVocab(
-        model=model, pre=str(meta.get("tokenizer.ggml.pre", "default")), tokens=tokens,
-        token_types=[int(t) for t in types], merges=merges,
-        bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", count, 1 if spm else None),
-        eos_id=_token_id(meta, "tokenizer.ggml.eos_token_id", count, 2 if spm else None),
-        unk_id=_token_id(meta, "tokenizer.ggml.unknown_token_id", count, 0 if spm else None),
-        pad_id=_token_id(meta, "tokenizer.ggml.padding_token_id", count, None),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
-        scores=scores,
-        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", spm)),
-    )
 
 
 def _byte_level_spelling(token: str, alphabet: dict[int, str], letters: frozenset[str]) -> str:
