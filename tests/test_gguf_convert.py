@@ -90,10 +90,10 @@ def test_dequantize_matches_reference(tmp_path: Path, qtype: Q) -> None:
 
 
 def test_unsupported_type_names_tensor_and_type(tmp_path: Path) -> None:
-    raw = np.zeros((2, 176), dtype=np.uint8)  # two Q5_K blocks of 256 values, 176 bytes each
-    path = tmp_path / "q5k.gguf"
-    _write_single_tensor(path, "blk.0.ffn_up.weight", raw, Q.Q5_K)
-    with pytest.raises(ValueError, match=r"Q5_K.*blk\.0\.ffn_up\.weight.*supported: .*Q4_1"):
+    raw = np.zeros((2, 66), dtype=np.uint8)  # two IQ2_XXS blocks of 256 values, 66 bytes each
+    path = tmp_path / "iq2xxs.gguf"
+    _write_single_tensor(path, "blk.0.ffn_up.weight", raw, Q.IQ2_XXS)
+    with pytest.raises(ValueError, match=r"IQ2_XXS.*blk\.0\.ffn_up\.weight.*supported: .*Q4_K"):
         convert_gguf(path, tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out" / "model.safetensors").exists()
 

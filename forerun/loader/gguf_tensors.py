@@ -5,14 +5,15 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, ReaderTensor
-from gguf.quants import dequantize
 
-# Types whose de-quantization is checked against a numpy reference in tests/test_gguf_convert.py.
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset({
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-})
+from forerun.kernels.formats import QUANT_FORMATS
+
+# Every type forerun's own de-quantizers read (forerun.kernels.formats, checked bit for bit against
+# the gguf package's reference in tests/test_quant_formats.py).
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    t for t in GGMLQuantizationType if t.name in QUANT_FORMATS)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -56,13 +57,20 @@ def check_tensor_type(tensor: ReaderTensor) -> None:
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     """The tensor as float32 in torch's (row-major, outermost first) shape order.
 
-    GGUF lists dimensions innermost first; the reader's `data` array already has the numpy order,
-    with quantized rows packed as bytes, so de-quantizing each row gives the torch shape.
+    GGUF lists dimensions innermost first, and each row (innermost dimension) is stored as whole
+    blocks, so the bytes are read as [rows, bytes per row] and de-quantized row by row.
     """
     check_tensor_type(tensor)
-    values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    fmt = QUANT_FORMATS[tensor.tensor_type.name]
     torch_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return np.ascontiguousarray(values.reshape(torch_shape), dtype=np.float32)
+    cols = torch_shape[-1] if torch_shape else 1
+    if cols % fmt.block_size != 0:
+        raise ValueError(f"gguf: tensor {tensor.name} has rows of {cols} values, "
+                         f"not a multiple of {fmt.name}'s block of {fmt.block_size}")
+    raw = np.asarray(tensor.data).view(np.uint8).reshape(-1, fmt.row_bytes(cols))
+    # A copy: the reader's memory map is read-only, which torch.from_numpy does not accept quietly.
+    values = fmt.dequantize(torch.from_numpy(np.array(raw, copy=True)))
+    return values.numpy().reshape(torch_shape)
 
 
 def hf_tensor_name(gguf_name: str) -> str:
