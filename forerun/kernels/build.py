@@ -47,6 +47,8 @@ SIGNATURES_F32 = {
     "pack_weight": (None, [_PTR, _I64, _I64, _PTR, _INT]),
     "gemm_packed": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]),
     "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),
+    "gemv_kquant": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
+    "gemv_kquant_isas": (_INT, []),
 }
 
 

@@ -1,0 +1,107 @@
+"""Small-batch matmuls over GGUF blocks as the file stores them (`csrc/gemv_kquant.c`).
+
+Formats: Q8_0 and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Each weight is expanded in registers to
+exactly the fp32 value gguf's dequantizer gives, and multiplied by fp32 activations, so the result is
+fp32 `x @ W.T` over the dequantized weights up to the order of the sums. That order is fixed per
+output, so a row's result never depends on the other rows passed with it nor on the thread count.
+Choosing this kernel over stock PyTorch (and falling back) is the caller's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from forerun.kernels.build import profiled
+
+
+class BlockFormat(NamedTuple):
+    """One GGUF block format: its ggml type code (the kernel's format code), weights and bytes a block."""
+
+    code: int
+    weights: int
+    bytes: int
+
+
+# As ggml-common.h lays the blocks out (checked against gguf.GGML_QUANT_SIZES by the tests).
+FORMATS: dict[str, BlockFormat] = {
+    "Q8_0": BlockFormat(8, 32, 34),
+    "Q2_K": BlockFormat(10, 256, 84),
+    "Q3_K": BlockFormat(11, 256, 110),
+    "Q4_K": BlockFormat(12, 256, 144),
+    "Q5_K": BlockFormat(13, 256, 176),
+    "Q6_K": BlockFormat(14, 256, 210),
+}
+# The kernel's paths: "auto" takes the widest one built for this CPU; the others exist to test them.
+ISAS: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+
+
+def supports(fmt: str, k: int) -> bool:
+    """Whether the kernel runs rows of `k` weights in format `fmt` (k a whole number of blocks)."""
+    spec = FORMATS.get(fmt)
+    return spec is not None and k > 0 and k % spec.weights == 0
+
+
+def available_isas(lib: ctypes.CDLL) -> list[str]:
+    """The kernel paths built into `lib` for this CPU ("scalar" always)."""
+    bits = lib.gemv_kquant_isas_f32()
+    return [name for name, code in ISAS.items() if code and bits & (1 << code)]
+
+
+class KQuantGemv:
+    """x -> x W^T with W [n, k] held as its GGUF blocks, uint8 [n, k / block weights * block bytes].
+
+    Invariant: `blocks` is contiguous, on the CPU and kept alive by this object for the kernel to read;
+    every output is summed in one fixed order, so results are bit-identical whatever the number of rows
+    of x or of threads. Construction raises RuntimeError when the C library is missing (use `create` to
+    get None instead) and ValueError naming the field for input the kernel cannot run.
+    """
+
+    def __init__(self, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int, isa: str = "auto") -> None:
+        if lib is None or not hasattr(lib, "gemv_kquant_f32"):
+            raise RuntimeError("the C kernels are not built (forerun.kernels.build): use the stock PyTorch path")
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt: {fmt!r} is not one of {sorted(FORMATS)}")
+        if not supports(fmt, k):
+            raise ValueError(f"k: {k} is not a positive multiple of {fmt}'s {FORMATS[fmt].weights} weights a block")
+        if isa not in ISAS:
+            raise ValueError(f"isa: {isa!r} is not one of {sorted(ISAS)}")
+        if isa != "auto" and isa not in available_isas(lib):
+            raise ValueError(f"isa: {isa!r} is not built for this CPU (built: {available_isas(lib)})")
+        spec = FORMATS[fmt]
+        row_bytes = k // spec.weights * spec.bytes
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
+            raise ValueError(f"blocks: expected uint8 [n, {row_bytes}] for {fmt} with k={k}, "
+                             f"got {blocks.dtype} {tuple(blocks.shape)}")
+        if blocks.device.type != "cpu":
+            raise ValueError(f"blocks: must be on the CPU, not {blocks.device}")
+        self.fn = lib.gemv_kquant_f32
+        self.blocks = blocks.contiguous()
+        self.fmt, self.k, self.n = fmt, k, blocks.shape[0]
+        self.code, self.isa = spec.code, ISAS[isa]
+
+    @classmethod
+    def create(cls, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int) -> KQuantGemv | None:
+        """The kernel for this weight, or None where it cannot run it (no library, format or k it lacks)."""
+        if lib is None or not hasattr(lib, "gemv_kquant_f32") or not supports(fmt, k):
+            return None
+        return cls(lib, blocks, fmt, k)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: computed in fp32, rounded once)."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+            raise ValueError(f"x: expected float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
+        if x.shape[-1] != self.k:
+            raise ValueError(f"x: last dimension {x.shape[-1]} is not k={self.k}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.k).to(torch.float32).contiguous()  # bf16 -> fp32 is exact
+        y = flat.new_empty(flat.shape[0], self.n)
+        with profiled("forerun::linear_kquant"):
+            rc = self.fn(flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code, y.data_ptr(),
+                         flat.shape[0], self.k, self.n, self.isa, torch.get_num_threads())
+        if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
+            raise RuntimeError(f"gemv_kquant_f32 refused {self.fmt} k={self.k} (code {rc})")
+        return y.view(*lead, self.n).to(x.dtype)
