@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -157,10 +156,12 @@ def test_tiny_tokenizer_files(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the real default model (converted once)
 
 @pytest.fixture(scope="session")
-def smollm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def smollm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The cache is redirected for the conversion only: a session fixture that yielded inside the
+    # context would leave FORERUN_CACHE changed for every later test (and the servers they start).
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("forerun_cache")))
-        yield resolve_model(None, show_progress=False)
+        return resolve_model(None, show_progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -212,10 +212,11 @@ def test_bad_metadata_names_the_field(change: dict[str, object], field: str) -> 
 
 @pytest.fixture(scope="module")
 def llm(spm_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:  # the conversion's cache only, not the later tests'
         patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("forerun_cache")))
-        with LLM(model=str(spm_files[0]), dtype="float32", show_progress=False) as engine:
-            yield engine
+        engine = LLM(model=str(spm_files[0]), dtype="float32", show_progress=False)
+    with engine:
+        yield engine
 
 
 def test_llm_greedy_matches_transformers_on_the_gguf(llm: LLM, spm_files: tuple[Path, Path],
