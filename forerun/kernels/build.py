@@ -37,13 +37,13 @@ SIGNATURES = {
                                 _I64, _F32, _INT, _I64]),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
+    "gemv_matches": (_INT, [_PTR, _INT, _I64, _I64, _PTR, _INT]),  # the dense weight's dtype
+    "decode_layers": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]),  # the KV cache's dtype
 }
 # Kernels with an fp32 variant only.
 SIGNATURES_F32 = {
     "gemv_compact": (None, [_PTR, _PTR, _I64, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "gemv_pack": (None, [_PTR, _INT, _I64, _I64, _PTR]),
-    "gemv_matches": (_INT, [_PTR, _INT, _I64, _I64, _PTR, _INT]),
-    "decode_layers": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]),
     "pack_weight": (None, [_PTR, _I64, _I64, _PTR, _INT]),
     "gemm_packed": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]),
     "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),

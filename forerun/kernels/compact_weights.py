@@ -34,8 +34,12 @@ class CompactWeight:
 
     @staticmethod
     def bf16_of(weight: Tensor) -> CompactWeight | None:
-        """The bf16 form of an fp32 weight, or None when bf16 cannot hold it exactly."""
-        if weight.dtype != torch.float32 or weight.dim() != 2:
+        """The bf16 form of an fp32 (or bf16) weight, or None when bf16 cannot hold it exactly."""
+        if weight.dim() != 2:
+            return None
+        if weight.dtype == torch.bfloat16:
+            return CompactWeight("bf16", weight.detach().contiguous().view(torch.uint8), weight.shape[1])
+        if weight.dtype != torch.float32:
             return None
         half = weight.detach().to(torch.bfloat16)
         if not torch.equal(half.float(), weight):
@@ -59,7 +63,11 @@ class CompactWeight:
         return ((q - 8) * d).view(n, -1)
 
     def matches(self, weight: Tensor) -> bool:
-        return tuple(weight.shape) == (self.data.shape[0], self.k) and torch.equal(self.expand(), weight)
+        """Whether this form expands to `weight`: exactly for fp32, and for a bf16 `weight` (a bf16
+        engine's copy) after rounding the expansion to bf16."""
+        if tuple(weight.shape) != (self.data.shape[0], self.k) or weight.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        return torch.equal(self.expand().to(weight.dtype), weight)
 
     @staticmethod
     def cat(parts: list[CompactWeight]) -> CompactWeight | None:

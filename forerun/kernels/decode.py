@@ -8,6 +8,11 @@ layer can run that way (the model decides, from `DecodeLayers.shape_supported` a
 everything else (prefill, larger batches, other dtypes or devices, tensor or pipeline parallelism)
 keeps the module path. `enforce_eager` turns it off. It is handed the layers' weights and sizes as
 plain data (`DecodeLayerWeights`, `DecodeDims`) and knows no model class.
+
+In a bf16 engine (`kv_dtype` bf16) the step runs in fp32 with a bf16 KV cache: the hidden states and
+norm weights convert to fp32 at the call (exact), the cache holds bf16 as the module path's does, and
+the result rounds back to bf16. It then equals the bf16 module path within bf16 rounding only (the
+module path rounds after every op).
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 @dataclass(frozen=True)
 class DecodeLayerWeights:
     """One pre-norm decoder layer as the fused step reads it: four compact-weight matmuls (q/k/v packed,
-    output, gate/up packed, down), the two RMSNorm weights (fp32, contiguous) and the sliding window
-    (None: full attention). The model builds these from its own modules; the tensors stay owned by it."""
+    output, gate/up packed, down), the two RMSNorm weights (fp32 or bf16; `DecodeLayers` keeps fp32
+    copies) and the sliding window (None: full attention). The model builds these from its own
+    modules; the tensors stay owned by it."""
 
     qkv: CompactLinear
     o: CompactLinear
@@ -88,18 +94,23 @@ class DecodeLayers:
     and activation, and C decode attention (the model checks its own side)."""
 
     def __init__(self, lib: ctypes.CDLL, layers: Sequence[DecodeLayerWeights], dims: DecodeDims,
-                 max_rows: int) -> None:
-        self.fn = lib.decode_layers_f32
+                 max_rows: int, kv_dtype: torch.dtype = torch.float32) -> None:
+        if kv_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"kv_dtype: the fused decode step takes a float32 or bfloat16 cache, not {kv_dtype}")
+        self.fn = lib.decode_layers_f32 if kv_dtype == torch.float32 else lib.decode_layers_bf16
+        self.dtype = kv_dtype
         self.max_rows = max_rows
         self.heads, self.kv_heads, self.head_dim = dims.heads, dims.kv_heads, dims.head_dim
         self.hidden, self.inter = dims.hidden, dims.inter
         self.eps, self.scale = dims.eps, dims.scale
         self._layers = (_Layer * len(layers))()
-        for slot, layer in zip(self._layers, layers):
+        # fp32 norm weights (the layer's own tensors when fp32; exact copies of bf16 ones), kept alive here.
+        self._norms = [(layer.input_norm.float().contiguous(), layer.post_norm.float().contiguous()) for layer in layers]
+        for slot, layer, (input_norm, post_norm) in zip(self._layers, layers, self._norms):
             slot.qkv, slot.o, slot.gate_up, slot.down = (
                 _matmul(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            slot.input_norm = layer.input_norm.data_ptr()
-            slot.post_norm = layer.post_norm.data_ptr()
+            slot.input_norm = input_norm.data_ptr()
+            slot.post_norm = post_norm.data_ptr()
             slot.window = layer.window or 0
         # The engine allocates the caches once: their pointers and shape are written on first use and
         # again only if they change.
@@ -115,16 +126,16 @@ class DecodeLayers:
                 meta: DecodeBatch) -> bool:
         """Whether this step's inputs are ones the C path takes (else the caller runs the modules)."""
         first = kv_caches[0]
-        return (meta.all_decode and hidden.shape[0] <= self.max_rows and hidden.dtype == torch.float32
-                and hidden.is_contiguous() and first.dtype == torch.float32 and first.is_contiguous()
+        return (meta.all_decode and hidden.shape[0] <= self.max_rows and hidden.dtype == self.dtype
+                and hidden.is_contiguous() and first.dtype == self.dtype and first.is_contiguous()
                 and cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
-                and cos.dtype == torch.float32 and meta.decode_blocks is not None
-                and meta.slot_mapping.is_contiguous())
+                and cos.dtype == sin.dtype and cos.dtype in (torch.float32, self.dtype)
+                and meta.decode_blocks is not None and meta.slot_mapping.is_contiguous())
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
                  meta: DecodeBatch) -> tuple[Tensor, Tensor]:
         """(hidden, residual) after the last layer, from the embedded tokens `hidden` [rows, hidden_size]
-        (updated in place)."""
+        (updated in place when fp32)."""
         caches = [c.data_ptr() for c in kv_caches]
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         if caches != self._caches or num_blocks != self._shape.num_blocks:
@@ -135,6 +146,10 @@ class DecodeLayers:
                                  block_size, self.eps, self.scale, PARALLEL_MIN_ELEMENTS)
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         rows = hidden.shape[0]
+        out_dtype = hidden.dtype
+        if out_dtype != torch.float32:  # exact: the C step runs in fp32 (see the module docstring)
+            hidden = hidden.float()
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
         batch = _Batch(rows, cos.data_ptr(), sin.data_ptr(), cos.stride(0), meta.slot_mapping.data_ptr(),
                        meta.decode_blocks.data_ptr(), meta.decode_len // block_size, meta.decode_seq_lens.data_ptr(),
                        meta.decode_len)
@@ -144,4 +159,4 @@ class DecodeLayers:
                              hidden.data_ptr(), residual.data_ptr(), torch.get_num_threads())
         if failed:
             raise RuntimeError(f"decode layers: the C kernels failed (code {failed})")
-        return hidden, residual
+        return hidden.to(out_dtype), residual.to(out_dtype)

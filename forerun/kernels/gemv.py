@@ -3,6 +3,10 @@
 At one to a few decode rows a matmul is bound by reading its weights. Where a weight's bf16 or
 GGUF-block form (forerun.kernels.compact_weights) expands exactly to the fp32 weight, reading that
 form moves 2x (bf16) to 6x (Q4_1) fewer bytes for the same result up to summation order.
+
+A bf16 engine uses the same kernel: its activations convert to fp32 at the kernel boundary (exact)
+and the output rounds back to bf16, so the matmul is the fp32 one over the expanded weights (a bf16
+engine's dense weight is that weight rounded to bf16; `matches` checks this relation).
 """
 
 from __future__ import annotations
@@ -31,16 +35,18 @@ class CompactLinear:
     k: int
     n: int
     bias: Tensor | None  # fp32, contiguous
+    fp32_out: bool = False  # True: fp32 output whatever the input's dtype (logits: bf16 would round them)
 
     def __call__(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.k).to(torch.float32).contiguous()
+        flat = x.reshape(-1, self.k).to(torch.float32).contiguous()  # bf16 -> fp32 is exact
         y = flat.new_empty(flat.shape[0], self.n)
         with profiled("forerun::linear_compact"):
             self.gemv.fn(flat.data_ptr(), self.packed.data_ptr(), self.packed.shape[1], self.code,
                          None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), flat.shape[0], self.k,
                          self.n, torch.get_num_threads())
-        return y.view(*lead, self.n)
+        # The caller's dtype out: a bf16 engine's next op (norm, attention, cache write) takes bf16.
+        return y.view(*lead, self.n) if self.fp32_out else y.view(*lead, self.n).to(x.dtype)
 
 
 class CompactGemv:
@@ -49,24 +55,27 @@ class CompactGemv:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.gemv_compact_f32
         self.pack_fn = lib.gemv_pack_f32
-        self.matches_fn = lib.gemv_matches_f32
+        self.matches_fns = {torch.float32: lib.gemv_matches_f32, torch.bfloat16: lib.gemv_matches_bf16}
         self.build = build_name(lib)
 
-    def linear(self, weight: CompactWeight | None, bias: Tensor | None) -> CompactLinear | None:
-        """x -> x W^T + b reading `weight`'s compact form, or None for a shape the kernel lacks."""
+    def linear(self, weight: CompactWeight | None, bias: Tensor | None, fp32_out: bool = False) -> CompactLinear | None:
+        """x -> x W^T + b reading `weight`'s compact form, or None for a shape the kernel lacks; the
+        output has x's dtype unless `fp32_out`."""
         if weight is None or weight.k % (8 if weight.fmt == "bf16" else 32) or weight.k // 32 > MAX_BLOCKS:
             return None
         b = None if bias is None else bias.detach().float().contiguous()
-        return CompactLinear(self, self.pack(weight), weight.code, weight.k, weight.data.shape[0], b)
+        return CompactLinear(self, self.pack(weight), weight.code, weight.k, weight.data.shape[0], b, fp32_out)
 
     def matches(self, weight: CompactWeight, dense: Tensor) -> bool:
-        """`weight.matches(dense)` in one C pass (the torch version makes several of the whole model)."""
-        if (dense.dtype != torch.float32 or dense.device.type != "cpu" or not dense.is_contiguous()
+        """`weight.matches(dense)` in one C pass (the torch version makes several of the whole model);
+        a bf16 `dense` matches when it is the expanded weight rounded to bf16."""
+        fn = self.matches_fns.get(dense.dtype)
+        if (fn is None or dense.device.type != "cpu" or not dense.is_contiguous()
                 or tuple(dense.shape) != (weight.data.shape[0], weight.k)):
             return weight.matches(dense)
         data = weight.data.contiguous()
-        return bool(self.matches_fn(data.data_ptr(), weight.code, dense.shape[0], weight.k, dense.data_ptr(),
-                                    torch.get_num_threads()))
+        return bool(fn(data.data_ptr(), weight.code, dense.shape[0], weight.k, dense.data_ptr(),
+                       torch.get_num_threads()))
 
     def pack(self, weight: CompactWeight) -> Tensor:
         """The kernel's own layout of `weight` (groups of 4 rows read front to back; see the C file),

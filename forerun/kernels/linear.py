@@ -89,13 +89,15 @@ class LinearPlan:
     gemv_rows: int = 0
     gemm: PackedGemm | None = None
 
-    def build(self, weight: Tensor, bias: Tensor | None, compact: CompactWeight | None) -> BuiltLinear:
+    def build(self, weight: Tensor, bias: Tensor | None, compact: CompactWeight | None,
+              fp32_out: bool = False) -> BuiltLinear:
         """The matmul x -> x W^T + b for this plan; `compact` is the checkpoint's own compact form of
-        `weight` (GGUF blocks), else bf16 is tried where it holds the weight exactly."""
+        `weight` (GGUF blocks), else bf16 is tried where it holds the weight exactly. `fp32_out`: the
+        compact matmul returns fp32 for bf16 inputs (the LM head, whose logits are used as fp32)."""
         large = None if self.kernel == "aten" else make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         small = None
         if self.gemv is not None and self.gemv_rows > 0:
-            small = self.gemv.linear(compact or CompactWeight.bf16_of(weight), bias)
+            small = self.gemv.linear(compact or CompactWeight.bf16_of(weight), bias, fp32_out)
         if small is not None:
             matmul = split_by_rows(small, large or (lambda x: F.linear(x, weight, bias)), self.gemv_rows)
         else:

@@ -135,10 +135,13 @@ PROBE_WEIGHT_BYTES = 64 << 20
 
 
 def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
-                 rounds: int = 3, gemm: PackedGemm | None = None) -> dict[int, float]:
-    """Speed-up of the compact-weight GEMV (weights in `fmt`) over fp32 `kernel` on one step's
-    matmuls, per row count, up to the first row count where it loses (timed alternately, best round)."""
-    total = sum(4 * k * n * count for k, n, count in shapes)
+                 rounds: int = 3, gemm: PackedGemm | None = None,
+                 dtype: torch.dtype = torch.float32) -> dict[int, float]:
+    """Speed-up of the compact-weight GEMV (weights in `fmt`) over `kernel` in `dtype` (the engine's:
+    its dense weights and activations in that dtype, the GEMV's converted at its boundary, as the
+    model runs them) on one step's matmuls, per row count, up to the first row count where it loses
+    (timed alternately, best round)."""
+    total = sum(dtype.itemsize * k * n * count for k, n, count in shapes)
     speedup: dict[int, float] = {}
     gen = torch.Generator().manual_seed(0)  # never the global RNG: see `measure`
     with torch.inference_mode():
@@ -150,9 +153,10 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
                 small = gemv.linear(compact, None)
                 if small is None:
                     return {}  # a shape the kernel does not take: the model keeps its fp32 matmuls
-                layers.append((k, count / copies, small, make_linear(compact.expand(), None, kernel, 64, gemm)))
+                dense = compact.expand().to(dtype)
+                layers.append((k, count / copies, small, make_linear(dense, None, kernel, 64, gemm)))
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
-            xs = {k: torch.rand(rows, k, generator=gen) for k, _, _ in shapes}
+            xs = {k: torch.rand(rows, k, generator=gen).to(dtype) for k, _, _ in shapes}
             compact_s, fp32_s = best_rounds([[(small, xs[k], weight) for k, weight, small, _ in layers],
                                              [(large, xs[k], weight) for k, weight, _, large in layers]], rounds)
             speedup[rows] = fp32_s / compact_s
@@ -162,18 +166,20 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
 
 
 def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
-                     cache_file: Path | None, gemm: PackedGemm | None = None) -> tuple[int, dict[int, float]]:
-    """The most rows up to which the compact-weight GEMV beats fp32 `kernel` (`gemm` for 'native') at
-    every measured row count (0: never), and the measured speed-ups; cached like `choose_kernels`."""
+                     cache_file: Path | None, gemm: PackedGemm | None = None,
+                     dtype: torch.dtype = torch.float32) -> tuple[int, dict[int, float]]:
+    """The most rows up to which the compact-weight GEMV beats `kernel` in `dtype` (`gemm` for
+    'native') at every measured row count (0: never), and the measured speed-ups; cached like
+    `choose_kernels`, per dtype."""
     key = json.dumps(["gemv_compact", gemv.build, cpu_signature(), torch.__version__, torch.get_num_threads(),
-                      max_rows, shapes, kernel, fmt])
+                      max_rows, shapes, kernel, fmt, *([DTYPE_NAMES[dtype]] if dtype != torch.float32 else [])])
     cache = _read(cache_file)
     cached = _speedup_from(_fresh(cache.get(key)))
     if cached is not None:
         speedup = cached
     else:
         busy = machine_busy()
-        speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows, gemm=gemm)
+        speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows, gemm=gemm, dtype=dtype)
         busy = busy or machine_busy()
         if cache_file is not None:
             cache[key] = {"speedup": speedup, BUSY: busy}

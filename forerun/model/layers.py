@@ -118,13 +118,14 @@ class PackableLinear(nn.Module):
     small_rows: int = 0
     _matmul: LinearFn | None = None
 
-    def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True) -> bool:
+    def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True,
+                   fp32_out: bool = False) -> bool:
         """Run this matmul as `plan` builds it from now on (small inputs over a compact form of this
         weight: `compact`, else bf16 where that is exact); answers whether small inputs read a compact
         form. Without `keep_weight` a packed layer frees its dense weight (the packed copy is all it
-        reads)."""
+        reads). `fp32_out`: small inputs give fp32 outputs in a bf16 model (see LinearPlan.build)."""
         bias = getattr(self, "bias", None) if with_bias else None
-        built = plan.build(self.weight.detach(), bias, self.compact)
+        built = plan.build(self.weight.detach(), bias, self.compact, fp32_out)
         self.small, self.small_rows = built.small, plan.gemv_rows if built.small is not None else 0
         self._matmul = built.matmul
         if not built.reads_dense and not keep_weight:
@@ -194,9 +195,10 @@ class RowParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True) -> bool:
+    def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True,
+                   fp32_out: bool = False) -> bool:
         # With several ranks the bias is added once, after the all-reduce.
-        return super().use_kernel(plan, with_bias=self.tp.size == 1, keep_weight=keep_weight)
+        return super().use_kernel(plan, with_bias=self.tp.size == 1, keep_weight=keep_weight, fp32_out=fp32_out)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp.size == 1:

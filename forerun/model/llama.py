@@ -270,7 +270,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 tied = module is self.lm_head and self.args.tie_word_embeddings
-                on_gemv += module.use_kernel(plan, keep_weight=tied)
+                # fp32 logits from the compact GEMV: `compute_logits` returns fp32, and rounding them to
+                # bf16 first makes near-ties exact ties.
+                on_gemv += module.use_kernel(plan, keep_weight=tied, fp32_out=module is self.lm_head)
                 total += 1
         return on_gemv, total
 
@@ -334,8 +336,8 @@ class LlamaForCausalLM(nn.Module):
                 return "no fused C ops"
             if not isinstance(a.backend, NativeDecodeBackend):
                 return "attention not in C"
-            if layer.input_layernorm.weight.dtype != torch.float32:
-                return "not fp32"
+            if layer.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
+                return "neither fp32 nor bf16"
         if not DecodeLayers.shape_supported(self._decode_dims()):
             return "an attention shape the C kernel lacks"
         return None
@@ -356,7 +358,8 @@ class LlamaForCausalLM(nn.Module):
             weights.append(DecodeLayerWeights(qkv, o, gate_up, down, layer.input_layernorm.weight,
                                               layer.post_attention_layernorm.weight, layer.self_attn.window))
         max_rows = min(lin.small_rows for layer in layers for lin in _linears(layer))
-        return DecodeLayers(lib, weights, self._decode_dims(), max_rows)
+        kv_dtype = layers[0].input_layernorm.weight.dtype  # the engine's dtype, which its KV cache has
+        return DecodeLayers(lib, weights, self._decode_dims(), max_rows, kv_dtype)
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""

@@ -189,12 +189,13 @@ class Worker:
         return choice
 
     def _choose_gemv_rows(self, choice: KernelChoice, gemv: CompactGemv | None) -> int:
-        """Up to how many rows fp32 matmuls read compact weights (forerun.kernels.gemv): as
-        configured, or measured on this CPU against the chosen kernel for the model's compact format
-        (rank 0 decides). 0 where it cannot apply."""
+        """Up to how many rows matmuls read compact weights (forerun.kernels.gemv; a bf16 engine's
+        activations convert to fp32 at the kernel): as configured, or measured on this CPU against
+        the chosen kernel and dtype for the model's compact format (rank 0 decides). 0 where it
+        cannot apply."""
         want = self.config.gemv_max_rows
         fmt = self.model.compact_format()
-        usable = gemv is not None and choice.torch_dtype == torch.float32 and fmt is not None
+        usable = gemv is not None and choice.torch_dtype in (torch.float32, torch.bfloat16) and fmt is not None
         if want is not None:  # the same on every rank: no collective needed
             return want if usable else 0
         rows = 0
@@ -202,8 +203,8 @@ class Worker:
             assert gemv is not None and fmt is not None
             rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.tp.size),
                                              choice.linear_kernel, gemv, fmt, self._decode_batch(),
-                                             cache_dir() / "cpu_probe.json", self.gemm)
-            logger.info("%s-weight GEMV vs fp32 %s, speed-up by rows: %s", fmt, choice.linear_kernel,
+                                             cache_dir() / "cpu_probe.json", self.gemm, choice.torch_dtype)
+            logger.info("%s-weight GEMV vs %s %s, speed-up by rows: %s", fmt, choice.dtype, choice.linear_kernel,
                         ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())) or "not measured")
         if self.world_size > 1:  # every rank joins, whatever it found locally
             box = [rows]

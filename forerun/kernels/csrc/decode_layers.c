@@ -11,6 +11,12 @@
  * compact-weight GEMV, one rank, all rows decoding. hidden [rows, hidden] holds the embedded tokens
  * and is updated in place; residual [rows, hidden] is written (the first layer starts from hidden
  * alone, as the module path does).
+ *
+ * `decode_layers_bf16` is the same step for a bf16 engine: its KV cache is bf16 (the new K/V and the
+ * queries round to bf16, and the bf16 attention kernel reads them), everything else stays fp32 (the
+ * caller converts hidden states and norm weights, exactly, at the boundary). It keeps more precision
+ * than the bf16 module path, which rounds after every op, so it equals that path only within bf16
+ * rounding, not bit for bit.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +33,10 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *cache, c
                          int64_t table_stride, const int64_t *lens, float *out, int64_t B, int64_t H, int64_t KVH,
                          int64_t D, int64_t NB, int64_t BS, int64_t window, float scale, int nthreads,
                          int64_t max_len);
+int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache, const int64_t *tables,
+                          int64_t table_stride, const int64_t *lens, uint16_t *out, int64_t B, int64_t H,
+                          int64_t KVH, int64_t D, int64_t NB, int64_t BS, int64_t window, float scale, int nthreads,
+                          int64_t max_len);
 
 /* One matmul on the compact-weight GEMV: the packed weight, its format and group size, bias or NULL. */
 typedef struct {
@@ -39,7 +49,7 @@ typedef struct {
 typedef struct {
     matmul_t qkv, o, gate_up, down;
     const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
-    float *kv_cache;                     /* [2, num_blocks, block_size, kv_heads, head_dim] */
+    void *kv_cache;                      /* [2, num_blocks, block_size, kv_heads, head_dim], fp32 or bf16 */
     int64_t window;                      /* sliding window, 0 for full attention */
 } layer_t;
 
@@ -67,16 +77,64 @@ static int threads_for(const shape_t *s, int64_t elements, int nthreads) {
     return elements >= s->parallel_min_elements ? nthreads : 1;
 }
 
+static inline uint16_t to_bf16(float v) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, int64_t k, int64_t n, int nthreads) {
     gemv_compact_f32(x, m->w, m->group_bytes, (int)m->fmt, m->bias, y, rows, k, n, nthreads);
 }
 
-int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, float *hidden,
-                      float *residual, int nthreads) {
+/* The new tokens' K (rotated, in qk) and V (in qkv) into the paged cache; then the attention of q. */
+static int attend_f32(const layer_t *L, const shape_t *s, const batch_t *b, const float *qkv, const float *qk,
+                      float *att, int nthreads) {
+    const int64_t R = b->rows, D = s->head_dim, H = s->heads, KVH = s->kv_heads;
+    const int64_t qk_w = (H + KVH) * D, qkv_w = qk_w + KVH * D;
+    float *K = L->kv_cache, *V = (float *)L->kv_cache + s->num_blocks * s->block_size * KVH * D;
+    for (int64_t r = 0; r < R; r++) {
+        memcpy(K + b->slots[r] * KVH * D, qk + r * qk_w + H * D, sizeof(float) * (size_t)(KVH * D));
+        memcpy(V + b->slots[r] * KVH * D, qkv + r * qkv_w + qk_w, sizeof(float) * (size_t)(KVH * D));
+    }
+    return decode_attention_f32(qk, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, att, R, H, KVH, D,
+                                s->num_blocks, s->block_size, L->window, s->scale, nthreads, b->max_len);
+}
+
+/* As attend_f32 over a bf16 cache: K, V and q round to bf16 (`qb`, `ab`: [rows, (H + KVH) * D] and
+ * [rows, H * D] scratch), the attention output converts back to fp32. */
+static int attend_bf16(const layer_t *L, const shape_t *s, const batch_t *b, const float *qkv, const float *qk,
+                       float *att, uint16_t *qb, uint16_t *ab, int nthreads) {
+    const int64_t R = b->rows, D = s->head_dim, H = s->heads, KVH = s->kv_heads;
+    const int64_t qk_w = (H + KVH) * D, qkv_w = qk_w + KVH * D;
+    uint16_t *K = L->kv_cache, *V = (uint16_t *)L->kv_cache + s->num_blocks * s->block_size * KVH * D;
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t i = 0; i < qk_w; i++) qb[r * qk_w + i] = to_bf16(qk[r * qk_w + i]);
+        memcpy(K + b->slots[r] * KVH * D, qb + r * qk_w + H * D, sizeof(uint16_t) * (size_t)(KVH * D));
+        for (int64_t i = 0; i < KVH * D; i++) V[b->slots[r] * KVH * D + i] = to_bf16(qkv[r * qkv_w + qk_w + i]);
+    }
+    const int failed = decode_attention_bf16(qb, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, ab, R, H,
+                                             KVH, D, s->num_blocks, s->block_size, L->window, s->scale, nthreads,
+                                             b->max_len);
+    for (int64_t i = 0; i < R * H * D; i++) {
+        const uint32_t u = (uint32_t)ab[i] << 16;
+        memcpy(&att[i], &u, sizeof u);
+    }
+    return failed;
+}
+
+static int decode_layers(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, float *hidden,
+                         float *residual, int nthreads, int kv_bf16) {
     const int64_t R = b->rows, Hd = s->hidden, D = s->head_dim, H = s->heads, KVH = s->kv_heads;
     const int64_t qk_w = (H + KVH) * D, qkv_w = qk_w + KVH * D, I = s->inter;
     float *buf = malloc(sizeof(float) * (size_t)(R * (qkv_w + qk_w + H * D + Hd + 3 * I)));
-    if (!buf) return 1;
+    uint16_t *half = kv_bf16 ? malloc(sizeof(uint16_t) * (size_t)(R * (qk_w + H * D))) : NULL;
+    if (!buf || (kv_bf16 && !half)) {
+        free(buf);
+        free(half);
+        return 1;
+    }
     float *qkv = buf, *qk = qkv + R * qkv_w, *att = qk + R * qk_w, *normed = att + R * H * D, *gu = normed + R * Hd;
     float *act = gu + R * 2 * I;
     const int small = threads_for(s, R * Hd, nthreads), rot = threads_for(s, R * qk_w, nthreads);
@@ -89,14 +147,8 @@ int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *
         add_rms_norm_f32(hidden, add, L->input_norm, normed, residual, R, Hd, s->eps, small);
         matmul(&L->qkv, normed, qkv, R, Hd, qkv_w, nthreads);
         rotary_f32(qkv, qkv_w, b->cos, b->sin, b->cos_sin_stride, qk, R, H + KVH, D, rot);
-        /* the new tokens' K (rotated) and V into the paged cache */
-        float *K = L->kv_cache, *V = L->kv_cache + s->num_blocks * s->block_size * KVH * D;
-        for (int64_t r = 0; r < R; r++) {
-            memcpy(K + b->slots[r] * KVH * D, qk + r * qk_w + H * D, sizeof(float) * (size_t)(KVH * D));
-            memcpy(V + b->slots[r] * KVH * D, qkv + r * qkv_w + qk_w, sizeof(float) * (size_t)(KVH * D));
-        }
-        failed = decode_attention_f32(qk, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, att, R, H, KVH, D,
-                                      s->num_blocks, s->block_size, L->window, s->scale, nthreads, b->max_len);
+        failed = kv_bf16 ? attend_bf16(L, s, b, qkv, qk, att, half, half + R * qk_w, nthreads)
+                         : attend_f32(L, s, b, qkv, qk, att, nthreads);
         matmul(&L->o, att, hidden, R, H * D, Hd, nthreads);
         add_rms_norm_f32(hidden, residual, L->post_norm, normed, residual, R, Hd, s->eps, small);
         matmul(&L->gate_up, normed, gu, R, Hd, 2 * I, nthreads);
@@ -104,5 +156,17 @@ int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *
         matmul(&L->down, act, hidden, R, I, Hd, nthreads);
     }
     free(buf);
+    free(half);
     return failed;
+}
+
+int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, float *hidden,
+                      float *residual, int nthreads) {
+    return decode_layers(layers, num_layers, s, b, hidden, residual, nthreads, 0);
+}
+
+/* fp32 hidden and residual, a bf16 KV cache (see the file's comment). */
+int decode_layers_bf16(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, float *hidden,
+                       float *residual, int nthreads) {
+    return decode_layers(layers, num_layers, s, b, hidden, residual, nthreads, 1);
 }
