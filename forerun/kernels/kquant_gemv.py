@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from forerun.kernels.build import profiled
+from forerun.kernels.formats import QUANT_FORMATS
 
 
 class BlockFormat(NamedTuple):
@@ -26,15 +27,10 @@ class BlockFormat(NamedTuple):
     bytes: int
 
 
-# As ggml-common.h lays the blocks out (checked against gguf.GGML_QUANT_SIZES by the tests).
+# The formats the kernel reads, with their layout from the one table of GGML formats.
 FORMATS: dict[str, BlockFormat] = {
-    "Q8_0": BlockFormat(8, 32, 34),
-    "Q2_K": BlockFormat(10, 256, 84),
-    "Q3_K": BlockFormat(11, 256, 110),
-    "Q4_K": BlockFormat(12, 256, 144),
-    "Q5_K": BlockFormat(13, 256, 176),
-    "Q6_K": BlockFormat(14, 256, 210),
-}
+    name: BlockFormat(QUANT_FORMATS[name].ggml_type, QUANT_FORMATS[name].block_size, QUANT_FORMATS[name].block_bytes)
+    for name in ("Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 # The kernel's paths: "auto" takes the widest one built for this CPU; the others exist to test them.
 ISAS: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 
