@@ -60,8 +60,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     On CPU numpy's calloc maps fresh zero pages that the kernel fills on first touch, so a large KV
     cache costs nothing at start-up (torch.zeros would write every byte: about 0.4 s per GiB here).
     """
-    if device.type == "cpu" and dtype in (torch.float32, torch.float16):
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float16))
+    if device.type == "cpu" and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # numpy has no bf16: zero 16-bit integers are the same bytes as bf16 zeros.
+        np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}[dtype]
+        return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
