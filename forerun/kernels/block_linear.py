@@ -1,11 +1,11 @@
 """Matmuls over weights held only as a GGUF file's blocks: which kernel runs each row count.
 
 Few rows are bound by reading the weights: a GEMV reads the blocks as stored (forerun.kernels.
-kquant_gemv for every format it knows, else the compact GEMV for Q4_0/Q4_1/Q8_0). Many rows are bound
-by arithmetic: a block matmul expands a tile of blocks at a time in cache (forerun.kernels.block_matmul)
-where the C library has it, else the weight is expanded per call (correct, slow; logged once), or read
-from a dense copy when the engine keeps one (`dense_copy`). Each part of a packed weight in its own
-format (q/k/v of a K-quant mix) runs on its own and the outputs are joined.
+kquant_gemv, every GGML format forerun reads). Many rows are bound by arithmetic: a block matmul
+expands a tile of blocks at a time in cache and multiplies every row by it (forerun.kernels.
+block_matmul); where no C kernel reads a format the weight is expanded per call (correct, slow). Each
+part of a packed weight in its own format (q/k/v of a K-quant mix) runs on its own and the outputs
+are joined.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from forerun.kernels.block_matmul import BlockMatmul, available_isas
 from forerun.kernels.build import profiled
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.kernels.gemv import CompactGemv, CompactLinear
+from forerun.kernels.gemv import CompactLinear
 from forerun.kernels.kquant_gemv import KQuantGemv
 from forerun.kernels.types import LinearFn
 
@@ -52,16 +53,28 @@ class KQuantLinear:
 Small = CompactLinear | KQuantLinear
 
 
-def small_block_linear(lib: ctypes.CDLL | None, compact: CompactGemv | None, weight: CompactWeight,
-                       bias: Tensor | None, fp32_out: bool) -> Small | None:
-    """The GEMV for few rows over `weight`'s blocks, or None where no kernel reads its format."""
-    b = None if bias is None else bias.detach().float().contiguous()
+def small_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,
+                       fp32_out: bool) -> KQuantLinear | None:
+    """The GEMV for few rows over `weight`'s blocks as stored, or None where no kernel reads its format."""
     gemv = KQuantGemv.create(lib, weight.data, weight.fmt, weight.k)
-    if gemv is not None:
-        return KQuantLinear(gemv, b, fp32_out)
-    if compact is not None and weight.fmt in ("Q8_0", "Q4_0", "Q4_1"):
-        return compact.linear(weight, bias, fp32_out)
-    return None
+    if gemv is None:
+        return None
+    return KQuantLinear(gemv, None if bias is None else bias.detach().float().contiguous(), fp32_out)
+
+
+def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: torch.dtype,
+                       fp32_out: bool = False) -> LinearFn:
+    """The matmul for many rows over `weight`'s blocks, for inputs in `dtype` (fp32 out with
+    `fp32_out`): the block matmul (its bf16 variant only where the CPU has AVX512_BF16; elsewhere bf16
+    is emulated and the fp32 variant runs), else the weight expanded per call."""
+    mm = BlockMatmul.create(lib, weight.data, weight.fmt, weight.k)
+    if mm is None:
+        run = expanding_linear([weight], None, dtype)
+        return (lambda x: run(x).float()) if fp32_out else run
+    assert lib is not None
+    if dtype == torch.bfloat16 and "avx512" not in available_isas(lib, torch.bfloat16):
+        return lambda x: mm(x.float()) if fp32_out else mm(x.float()).to(x.dtype)
+    return lambda x: mm(x, fp32_out)
 
 
 def expanding_linear(blocks: Sequence[CompactWeight], bias: Tensor | None, dtype: torch.dtype) -> LinearFn:

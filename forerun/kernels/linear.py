@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from forerun.kernels.block_linear import Small, expanding_linear, joined, small_block_linear
+from forerun.kernels.block_linear import Small, joined, large_block_linear, small_block_linear
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
@@ -120,15 +120,15 @@ class LinearPlan:
             weight = torch.cat([b.expand() for b in blocks]).to(dtype)
             large = make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         else:
-            large = joined([expanding_linear([b], None, dtype) for b in blocks], bias)
+            large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
         if self.gemv_rows <= 0:
             return BuiltLinear(large, None, reads_dense=False)
         if len(blocks) == 1:
-            small = small_block_linear(self.lib, self.gemv, blocks[0], bias, fp32_out)
+            small = small_block_linear(self.lib, blocks[0], bias, fp32_out)
             if small is None:
                 return BuiltLinear(large, None, reads_dense=False)
             return BuiltLinear(split_by_rows(small, large, self.gemv_rows), small, reads_dense=False)
-        smalls = [small_block_linear(self.lib, self.gemv, b, None, fp32_out) for b in blocks]
+        smalls = [small_block_linear(self.lib, b, None, fp32_out) for b in blocks]
         if any(s is None for s in smalls):
             return BuiltLinear(large, None, reads_dense=False)
         # Parts in several formats: no single GEMV for the fused decode step (`small` None).

@@ -209,7 +209,7 @@ class Worker:
             assert plan.gemv is not None and fmt is not None
             dtype = choice.torch_dtype
             if self.model.holds_blocks():
-                pair: MatmulPair = lambda w: (small_block_linear(plan.lib, plan.gemv, w, None, False),  # noqa: E731
+                pair: MatmulPair = lambda w: (small_block_linear(plan.lib, w, None, False),  # noqa: E731
                                               plan.build_blocks([w], None, dtype).matmul)
                 key = [plan.gemv.build, "blocks", plan.dense_copy, choice.linear_kernel]
             else:
