@@ -115,6 +115,9 @@ class EngineConfig:
     native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
     gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read compact weights; None: measured
     enforce_eager: bool = False  # True: small decode steps run layer by layer in Python, not in one C call
+    # GGUF quantized matrices: False keeps only the file's blocks; True adds a dense copy in the engine's
+    # dtype for batched steps (more memory, faster where the block matmul is slower).
+    dense_weights: bool = False
     trace: bool = False  # record the step timeline
     # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -149,6 +152,8 @@ class EngineConfig:
             _positive(self.num_threads, "num_threads")
         if self.native_kernels not in (None, True, False):
             raise ValueError(f"native_kernels: expected a bool or None, got {self.native_kernels!r}")
+        if not isinstance(self.dense_weights, bool):
+            raise ValueError(f"dense_weights: expected a bool, got {self.dense_weights!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
         if self.gemv_max_rows is not None and (not isinstance(self.gemv_max_rows, int)

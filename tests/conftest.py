@@ -13,9 +13,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The bundled SmolLM2-135M-Instruct, converted once into the user's forerun cache."""
+    """The bundled SmolLM2-135M-Instruct as forerun loads it: described once in the user's forerun cache
+    (config, tokenizer, a pointer to the GGUF file whose blocks are the weights)."""
     from forerun.loader.model_source import resolve_model
-    return resolve_model(None, show_progress=False)
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory) -> Path:
+    """The bundled model exported as a float32 Hugging Face folder (de-quantized as gguf's reference
+    does), for transformers as the reference."""
+    from forerun.loader.gguf_convert import export_hf_folder
+    from forerun.loader.model_source import default_model_gguf
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    export_hf_folder(default_model_gguf(), out)
+    return out
 
 
 def save_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, stored_dtype: str = "float32",

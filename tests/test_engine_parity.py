@@ -42,9 +42,9 @@ def test_tiny_models_match_transformers(tmp_path, smollm2_dir, arch):
         assert [o.outputs[0].token_ids for o in outs] == want, f"{arch} async={async_mode}"
 
 
-def test_smollm2_matches_transformers(smollm2_dir):
+def test_smollm2_matches_transformers(smollm2_dir, smollm2_hf_dir):
     ids = token_prompts(smollm2_dir, PROMPTS)
-    want = hf_greedy(smollm2_dir, ids, 32)
+    want = hf_greedy(smollm2_hf_dir, ids, 32)
     outs, _ = run(smollm2_dir, ids)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert outs[0].outputs[0].text.startswith(" Paris")

@@ -18,7 +18,7 @@ from forerun.kernels import probe
 from forerun.kernels.build import load_native_library
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemv import CompactGemv
-from forerun.loader.gguf_convert import convert_gguf
+from forerun.loader.gguf_convert import export_hf_folder
 from tests.gguf_factory import write_model_gguf
 from tests.test_gguf_convert import _tiny_model
 
@@ -60,20 +60,6 @@ def test_bf16_input_is_the_fp32_kernel_rounded(gemv, fmt, rows):
     assert (want - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("fmt", GGUF_FORMATS)
-def test_bf16_dense_weight_matches_its_blocks(gemv, fmt):
-    weight = _weight(fmt, 24, 64, seed=1)
-    dense = weight.expand().to(torch.bfloat16)
-    assert gemv.matches(weight, dense) and weight.matches(dense)
-    off = dense.clone()
-    off.view(torch.int16)[3, 5] += 1  # one bf16 ulp
-    assert not gemv.matches(weight, off) and not weight.matches(off)
-    truncated = (weight.expand().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-    if not torch.equal(truncated, dense):  # rounding, not truncation, is what a bf16 engine holds
-        assert not gemv.matches(weight, truncated)
-    assert not gemv.matches(weight, dense.half()), "another dtype"
-
-
 def test_probe_measures_against_the_bf16_kernel_and_caches_per_dtype(gemv, tmp_path, monkeypatch):
     shapes = [(128, 256, 2), (256, 128, 2)]
     cache = tmp_path / "probe.json"
@@ -85,12 +71,13 @@ def test_probe_measures_against_the_bf16_kernel_and_caches_per_dtype(gemv, tmp_p
         return real(*args, **kwargs)
 
     monkeypatch.setattr(probe, "measure_gemv", spy)
-    rows_bf16, speed_bf16 = probe.choose_gemv_rows(shapes, "aten", gemv, "Q4_1", 4, cache, dtype=torch.bfloat16)
+    bf16, fp32 = probe.dense_pair("aten", gemv, torch.bfloat16), probe.dense_pair("aten", gemv, torch.float32)
+    rows_bf16, speed_bf16 = probe.choose_gemv_rows(shapes, bf16, "Q4_1", 4, cache, ["aten"], dtype=torch.bfloat16)
     assert seen == [torch.bfloat16] and 1 in speed_bf16
     assert rows_bf16 == probe.gemv_rows_from(speed_bf16)
-    probe.choose_gemv_rows(shapes, "aten", gemv, "Q4_1", 4, cache)  # fp32: its own entry, measured
+    probe.choose_gemv_rows(shapes, fp32, "Q4_1", 4, cache, ["aten"])  # fp32: its own entry, measured
     assert seen == [torch.bfloat16, torch.float32]
-    again = probe.choose_gemv_rows(shapes, "aten", gemv, "Q4_1", 4, cache, dtype=torch.bfloat16)
+    again = probe.choose_gemv_rows(shapes, bf16, "Q4_1", 4, cache, ["aten"], dtype=torch.bfloat16)
     assert seen == [torch.bfloat16, torch.float32], "the bf16 answer comes from the cache"
     assert again == (rows_bf16, speed_bf16)
 
@@ -105,14 +92,15 @@ def _outputs(folder: Path, rows: int, caplog) -> list[tuple[list[int], list[dict
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_bf16_engine_reads_blocks_with_the_tokens_of_bf16_without(tmp_path, caplog, fmt):
+def test_bf16_engine_reads_blocks_with_the_tokens_of_bf16_without(tmp_path, caplog, fmt, monkeypatch):
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
     write_model_gguf(tmp_path / "m.gguf", _tiny_model("llama", True), "llama", gguf.GGMLQuantizationType[fmt])
-    convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", show_progress=False)
-    without = _outputs(tmp_path / "hf", 0, caplog)
+    export_hf_folder(tmp_path / "m.gguf", tmp_path / "hf")
+    without = _outputs(tmp_path / "hf", 0, caplog)  # the dense bf16 engine over the de-quantized weights
     assert "read compact weights" not in caplog.text
     caplog.clear()
-    with_gemv = _outputs(tmp_path / "hf", 8, caplog)
-    assert "(9 of 9 matmuls have an exact compact form)" in caplog.text, "every bf16 weight matched its blocks"
+    with_gemv = _outputs(tmp_path / "m.gguf", 8, caplog)
+    assert "(9 of 9 matmuls have an exact compact form)" in caplog.text, "every matmul reads its blocks"
     for (tokens_a, lps_a), (tokens_b, lps_b) in zip(without, with_gemv):
         assert tokens_a == tokens_b
         for a, b in zip(lps_a, lps_b):

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from forerun.loader.gguf_convert import convert_gguf
+from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
 from forerun.loader.gguf_tensors import dequantize_tensor
-from forerun.loader.model_source import default_model_gguf, resolve_model
+from forerun.loader.model_source import default_model_gguf
 
 TRICKY = [
     "The capital of France is",
@@ -93,7 +93,7 @@ def test_unsupported_type_names_tensor_and_type(tmp_path: Path) -> None:
     path = tmp_path / "iq2xxs.gguf"
     _write_single_tensor(path, "blk.0.ffn_up.weight", raw, Q.IQ2_XXS)
     with pytest.raises(ValueError, match=r"IQ2_XXS.*blk\.0\.ffn_up\.weight.*supported: .*Q4_K"):
-        convert_gguf(path, tmp_path / "out", show_progress=False)
+        describe_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
@@ -128,7 +128,7 @@ def test_tiny_model_round_trip(tmp_path: Path, arch: str, tied: bool, hf_class: 
                 layer.self_attn.k_proj.bias.normal_()
     write_model_gguf(tmp_path / "m.gguf", original, arch)
     out = tmp_path / "hf"
-    convert_gguf(tmp_path / "m.gguf", out, show_progress=False)
+    export_hf_folder(tmp_path / "m.gguf", out)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [hf_class.__name__] and config["model_type"] == arch
     assert config["tie_word_embeddings"] is tied and config["head_dim"] == 16
@@ -142,7 +142,7 @@ def test_tiny_model_round_trip(tmp_path: Path, arch: str, tied: bool, hf_class: 
 
 def test_tiny_tokenizer_files(tmp_path: Path) -> None:
     write_model_gguf(tmp_path / "m.gguf", _tiny_model("llama", True), "llama")
-    convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", show_progress=False)
+    export_hf_folder(tmp_path / "m.gguf", tmp_path / "hf")
     tok = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
     enc = tok.encode("<|im_start|> the")
     assert enc.tokens == ["<|im_start|>", "Ġthe"]
@@ -156,12 +156,8 @@ def test_tiny_tokenizer_files(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the real default model (converted once)
 
 @pytest.fixture(scope="session")
-def smollm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The cache is redirected for the conversion only: a session fixture that yielded inside the
-    # context would leave FORERUN_CACHE changed for every later test (and the servers they start).
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("forerun_cache")))
-        return resolve_model(None, show_progress=False)
+def smollm_dir(smollm2_hf_dir: Path) -> Path:
+    return smollm2_hf_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,10 @@
 """GGUF files mixing the k-quant, 5-bit and IQ4 formats (as llama.cpp's Q4_K_M and friends do) load
-into forerun: the converted weights are gguf's reference de-quantization bit for bit, and greedy
-tokens equal transformers' on the same file."""
+into forerun: the loaded blocks and the exported weights are gguf's reference de-quantization bit for
+bit, and greedy tokens equal transformers' on the same file."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from forerun import LLM, SamplingParams
-from forerun.loader.gguf_blocks import load_gguf_blocks
-from forerun.loader.gguf_convert import convert_gguf
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
+from forerun.loader.gguf_weights import iter_gguf_weights
 from forerun.loader.gguf_tensors import dequantize_tensor
 
 LAYER_KEYS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -42,7 +44,7 @@ MIXES = {
                      (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.Q2_K, Q.Q3_K, Q.IQ4_XS),
                      (Q.IQ4_XS, Q.Q4_0, Q.Q4_1, Q.Q3_K, Q.BF16, Q.F16, Q.Q2_K)),
 }
-COMPACT_TYPES = {Q.Q8_0, Q.Q4_0, Q.Q4_1}  # the formats whose blocks the converter keeps for kernels
+FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 PROMPTS = [[5, 77, 140, 3, 9, 200, 31], [100, 101, 102, 250], [42]]
 NEW_TOKENS = 16
 
@@ -81,7 +83,7 @@ def test_converted_weights_are_gguf_reference_bit_for_bit(tmp_path: Path, mixed_
     reader = gguf.GGUFReader(mixed_ggufs[mix])
     written = {t.name: t.tensor_type for t in reader.tensors if len(t.shape) == 2}
     assert written == MIXES[mix]  # the factory wrote the mix asked for
-    convert_gguf(mixed_ggufs[mix], tmp_path / "hf", show_progress=False)
+    export_hf_folder(mixed_ggufs[mix], tmp_path / "hf")
     weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
     model = _tiny_llama()
     for hf_name in model.state_dict():
@@ -93,10 +95,14 @@ def test_converted_weights_are_gguf_reference_bit_for_bit(tmp_path: Path, mixed_
             got = llama_permute(got, heads)
         assert got.dtype == np.float32 and got.shape == want.shape, hf_name
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (hf_name, tensor.tensor_type.name)
-    # The kept-block path still covers exactly the formats it knows, and nothing else.
-    kept = set(load_gguf_blocks(tmp_path / "hf"))
-    compact = {name for name in model.state_dict() if MIXES[mix].get(gguf_name(name)) in COMPACT_TYPES}
-    assert kept == compact
+    # What the engine loads: every quantized matrix as its blocks (in Hugging Face row order), each
+    # expanding to exactly the reference's weights; float tensors as they are.
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for hf_name, loaded in iter_gguf_weights(mixed_ggufs[mix], config):
+        quantized = MIXES[mix].get(gguf_name(hf_name)) not in (None, *FLOAT_TYPES)
+        assert isinstance(loaded, CompactWeight) == quantized, hf_name
+        expanded = loaded.expand() if quantized else loaded
+        assert torch.equal(expanded, torch.from_numpy(weights[hf_name])), hf_name
 
 
 def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -153,8 +159,10 @@ def test_unsupported_type_is_one_line_naming_tensor_and_type(tmp_path: Path) -> 
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError) as err:
-        convert_gguf(path, tmp_path / "out", show_progress=False)
+        describe_gguf(path, tmp_path / "out")
     message = str(err.value)
     assert message.startswith("gguf: unsupported quant type IQ2_XXS in tensor blk.0.ffn_up.weight; supported: ")
     assert "\n" not in message and all(t in message for t in ("Q4_K", "Q5_0", "Q6_K", "IQ4_XS", "BF16"))
     assert not (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match=r"^gguf: unsupported quant type IQ2_XXS in tensor blk\.0\.ffn_up\.weight; "):
+        next(iter_gguf_weights(path, {"model_type": "llama"}))  # the loader names it too

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from forerun import LLM, SamplingParams
 from forerun.engine.tokenizer import Tokenizer
-from forerun.loader.gguf_convert import convert_gguf
+from forerun.loader.gguf_convert import describe_gguf
 from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
 from forerun.loader.gguf_vocab import vocab_from_metadata
 
@@ -101,7 +101,7 @@ def spm_files(tmp_path_factory: pytest.TempPathFactory, sp: spm.SentencePiecePro
     model = LlamaForCausalLM(config).eval()
     path = root / "tiny-spm.gguf"
     write_model_gguf(path, model, "llama", spm=_spm_vocab(sp))
-    convert_gguf(path, root / "hf", show_progress=False)
+    describe_gguf(path, root / "hf")
     return path, root / "hf"
 
 

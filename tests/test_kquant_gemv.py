@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from forerun.kernels.build import load_native_library
-from forerun.kernels.kquant_gemv import FORMATS, KQuantGemv, available_isas, supports
+from forerun.kernels.kquant_gemv import FORMATS, KQuantGemv, available_isas, dequantize_blocks, supports
 
 # Byte offsets of each block's fp16 fields (ggml-common.h): random bytes there could be inf or nan.
-HALF_FIELDS = {"Q8_0": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 ROWS = [1, 2, 3, 7, 16]
 
 
@@ -31,14 +32,18 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     return lib
 
 
-def _blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """n rows of random valid blocks: random bytes, with finite random fp16 scales."""
+def _blocks(fmt: str, n: int, k: int, seed: int = 0, zeros: bool = False) -> np.ndarray:
+    """n rows of random valid blocks: random bytes, with finite random fp16 scales; with `zeros`, each
+    fp16 field is +0 in one block out of 5 and -0 in another, so weights of either zero sign occur."""
     rng = np.random.default_rng(seed)
     spec = FORMATS[fmt]
     count = n * (k // spec.weights)
     blocks = rng.integers(0, 256, size=(count, spec.bytes), dtype=np.uint8)
     for offset in HALF_FIELDS[fmt]:
         scales = (rng.uniform(-1, 1, count) * 2.0 ** rng.integers(-12, 2, count)).astype(np.float16)
+        if zeros:
+            pick = rng.integers(0, 5, count)
+            scales[pick == 0], scales[pick == 1] = np.float16(0.0), np.float16(-0.0)
         blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(count, 2)
     return blocks.reshape(n, -1)
 
@@ -60,6 +65,7 @@ def _assert_within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> N
 
 
 def test_formats_match_gguf_block_sizes():
+    assert set(FORMATS) == set(HALF_FIELDS)
     for fmt, spec in FORMATS.items():
         qtype = gguf.GGMLQuantizationType[fmt]
         assert spec.code == int(qtype)
@@ -92,7 +98,7 @@ def test_matches_the_dequantized_reference(lib, fmt, n, blocks_per_row):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_results_do_not_depend_on_row_count_threads_or_path(lib, fmt):
-    k, n = 2 * FORMATS[fmt].weights if fmt != "Q8_0" else 288, 21
+    k, n = 2 * FORMATS[fmt].weights if FORMATS[fmt].weights == 256 else 288, 21
     blocks = torch.from_numpy(_blocks(fmt, n, k, seed=7))
     x = _x(16, k)
     isas = available_isas(lib)
@@ -132,7 +138,9 @@ def test_bf16_input_and_leading_dimensions(lib):
 
 def test_supports_and_refusals(lib):
     assert supports("Q4_K", 512) and supports("Q8_0", 96)
-    assert not supports("Q4_K", 96) and not supports("Q4_0", 256) and not supports("Q6_K", 0)
+    assert supports("Q4_0", 64) and supports("IQ4_XS", 256)
+    assert not supports("Q4_K", 96) and not supports("IQ2_XXS", 256) and not supports("F16", 256)
+    assert not supports("Q6_K", 0) and not supports("IQ4_NL", 48)
     blocks = torch.from_numpy(_blocks("Q6_K", 4, 256))
     assert KQuantGemv.create(None, blocks, "Q6_K", 256) is None
     assert KQuantGemv.create(lib, blocks, "Q6_K", 100) is None
@@ -140,7 +148,7 @@ def test_supports_and_refusals(lib):
     with pytest.raises(RuntimeError, match="not built"):
         KQuantGemv(None, blocks, "Q6_K", 256)
     with pytest.raises(ValueError, match="fmt"):
-        KQuantGemv(lib, blocks, "Q4_0", 256)
+        KQuantGemv(lib, blocks, "IQ2_XXS", 256)
     with pytest.raises(ValueError, match="k:"):
         KQuantGemv(lib, blocks, "Q6_K", 200)
     with pytest.raises(ValueError, match="blocks"):
@@ -154,3 +162,34 @@ def test_supports_and_refusals(lib):
         gemv(torch.zeros(1, 128))
     with pytest.raises(ValueError, match="x:"):
         gemv(torch.zeros(1, 256, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantize_blocks_is_gguf_bit_for_bit(lib, fmt):
+    """Every value, down to the sign of a zero, is gguf's (compared as int32 bit patterns)."""
+    k = FORMATS[fmt].weights * 3
+    zeros = []
+    for n, seed in [(1, 4), (13, 5), (40, 6)]:
+        blocks = _blocks(fmt, n, k, seed=seed, zeros=True)
+        got = dequantize_blocks(lib, torch.from_numpy(blocks), fmt, k)
+        ref = _reference(blocks, fmt)
+        assert got.shape == (n, k) and got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+        zeros.append(ref[ref == 0])
+    signs = torch.signbit(torch.cat(zeros))
+    assert bool(signs.any()) and not bool(signs.all())  # both zeros were exercised
+
+
+def test_dequantize_blocks_refusals(lib):
+    blocks = torch.from_numpy(_blocks("Q4_0", 3, 64))
+    assert torch.equal(dequantize_blocks(lib, blocks[:0], "Q4_0", 64), torch.empty(0, 64))
+    with pytest.raises(RuntimeError, match="not built"):
+        dequantize_blocks(None, blocks, "Q4_0", 64)
+    with pytest.raises(ValueError, match="fmt"):
+        dequantize_blocks(lib, blocks, "F16", 64)
+    with pytest.raises(ValueError, match="k:"):
+        dequantize_blocks(lib, blocks, "Q4_0", 48)
+    with pytest.raises(ValueError, match="blocks"):
+        dequantize_blocks(lib, blocks, "Q4_0", 96)
+    with pytest.raises(ValueError, match="blocks"):
+        dequantize_blocks(lib, blocks.view(torch.int8), "Q4_0", 64)

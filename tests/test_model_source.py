@@ -12,6 +12,7 @@ from gguf_factory import write_model_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import forerun.loader.model_source as model_source
+from forerun.loader.gguf_pointer import GGUF_POINTER, pointed_gguf
 from forerun.loader.model_source import cache_dir, default_model_gguf, resolve_model
 
 
@@ -46,48 +47,57 @@ def test_default_model_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
         default_model_gguf()
 
 
-def test_gguf_converted_once_then_cached(tiny_gguf: Path, tmp_path: Path) -> None:
-    first = resolve_model(str(tiny_gguf), show_progress=False)
+def test_gguf_described_once_then_cached_with_no_weights(tiny_gguf: Path, tmp_path: Path) -> None:
+    first = resolve_model(str(tiny_gguf))
     assert first.parent == tmp_path / "cache" and first.name.startswith("tiny-")
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in ("config.json", GGUF_POINTER, "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (first / name).is_file()
+    assert not list(first.glob("*.safetensors")), "a GGUF's weights are read from the file, never converted"
+    assert pointed_gguf(first) == tiny_gguf.resolve()
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.name]  # no temp folder left
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    stamp = (first / "config.json").stat().st_mtime_ns
     start = time.monotonic()
-    second = resolve_model(str(tiny_gguf), show_progress=False)
+    second = resolve_model(str(tiny_gguf))
     assert time.monotonic() - start < 0.5
-    assert second == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert second == first and (first / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_a_described_folder_whose_gguf_is_gone_is_a_clear_error(tiny_gguf: Path, tmp_path: Path) -> None:
+    folder = resolve_model(str(tiny_gguf))
+    moved = tmp_path / "moved.gguf"
+    tiny_gguf.rename(moved)
+    with pytest.raises(ValueError, match="GGUF file .* is gone"):
+        pointed_gguf(folder)
 
 
 def test_changed_gguf_gets_new_cache_entry(tiny_gguf: Path) -> None:
-    first = resolve_model(str(tiny_gguf), show_progress=False)
+    first = resolve_model(str(tiny_gguf))
     os.utime(tiny_gguf, ns=(1_000_000_000, 1_000_000_000))
-    assert resolve_model(str(tiny_gguf), show_progress=False) != first
+    assert resolve_model(str(tiny_gguf)) != first
 
 
 def test_failed_conversion_leaves_no_cache(tiny_gguf: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    def crash(gguf_path: Path, out_dir: Path, show_progress: bool) -> None:
+    def crash(gguf_path: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")  # half-written output
         raise RuntimeError("disk full")
 
     from forerun.loader import gguf_convert
-    monkeypatch.setattr(gguf_convert, "convert_gguf", crash)  # model_source imports it when converting
+    monkeypatch.setattr(gguf_convert, "describe_gguf", crash)  # model_source imports it when describing
     with pytest.raises(RuntimeError, match="disk full"):
-        resolve_model(str(tiny_gguf), show_progress=False)
+        resolve_model(str(tiny_gguf))
     assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_default_names_use_the_default_gguf(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_source, "default_model_gguf", lambda: tiny_gguf)
-    expected = resolve_model(str(tiny_gguf), show_progress=False)
+    expected = resolve_model(str(tiny_gguf))
     for name in (None, "default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
-        assert resolve_model(name, show_progress=False) == expected
+        assert resolve_model(name) == expected
 
 
 def test_hf_folder_returned_as_is(tiny_gguf: Path) -> None:
-    folder = resolve_model(str(tiny_gguf), show_progress=False)
+    folder = resolve_model(str(tiny_gguf))
     assert resolve_model(str(folder)) == folder
     (folder / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="model: .*tokenizer.json"):

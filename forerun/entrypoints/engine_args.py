@@ -14,7 +14,7 @@ _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
            "async_scheduling", "seed", "tensor_parallel_size", "pipeline_parallel_size",
            "distributed_executor_backend", "runner",
            "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "enforce_eager",
-           "speculative_config")
+           "dense_weights", "speculative_config")
 
 
 def _on_off(value: bool) -> str:
@@ -108,6 +108,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CPU fp32: matmuls of up to this many rows read the weights as bf16 when that is "
                         "exact, halving the bytes a decode step reads; 0 turns it off (default: measured on "
                         "this machine)")
+    g.add_argument("--dense-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU, GGUF files: also keep a dense copy of the quantized weights in the engine's dtype "
+                        "for batched steps (more memory; faster where the block matmul is slower); otherwise "
+                        f"only the file's blocks are held (default: {_on_off(d.dense_weights)})")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run every decode step layer by layer from Python; otherwise a CPU decode step of at "
                         "most --gemv-max-rows rows runs all layers in one C call, with the same results "

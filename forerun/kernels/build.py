@@ -37,7 +37,6 @@ SIGNATURES = {
                                 _I64, _F32, _INT, _I64]),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
-    "gemv_matches": (_INT, [_PTR, _INT, _I64, _I64, _PTR, _INT]),  # the dense weight's dtype
     "decode_layers": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]),  # the KV cache's dtype
 }
 # Kernels with an fp32 variant only.
@@ -49,6 +48,9 @@ SIGNATURES_F32 = {
     "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),
     "gemv_kquant": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "gemv_kquant_isas": (_INT, []),
+    "dequant_rows": (_INT, [_PTR, _I64, _INT, _I64, _I64, _PTR, _INT]),
+    "gemm_blocks": (_INT, [_PTR, _INT, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
+    "gemm_blocks_isas": (_INT, [_INT]),
 }
 
 

@@ -1,28 +1,29 @@
-"""Weights kept in a compact form beside an fp32 model: bf16, or a GGUF file's own quantized blocks.
+"""Weights in a compact form: bf16, or a GGUF file's own quantized blocks in any GGML format.
 
-A decode step with few rows is bound by reading weights, so the small-batch matmul
-(forerun.kernels.gemv) reads these instead of the fp32 copy. Every compact weight is checked
-to expand to exactly the fp32 weight the model holds, so the model's arithmetic does not change.
-The GGUF converter saves the blocks and the loader reads them back (forerun.loader.gguf_blocks).
+A decode step with few rows is bound by reading weights, so the small-batch matmuls
+(forerun.kernels.gemv, forerun.kernels.kquant_gemv) read these instead of a dense copy. A GGUF
+model keeps only these (forerun.loader.gguf_weights); a dense model may get a bf16 form where that
+holds its fp32 weight exactly, so the model's arithmetic does not change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
-# (compact form, fp32 weight) -> whether the form expands exactly to the weight
-MatchFn = Callable[["CompactWeight", Tensor], bool]
-# Format -> (code the C kernel knows, bytes per block of 32 weights; bf16 has no blocks).
+from forerun.kernels.formats import QUANT_FORMATS
+
+# Format -> (code the compact GEMV kernel knows, bytes per block of 32 weights; bf16 has no blocks).
 FORMATS = {"bf16": (0, 64), "Q8_0": (1, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
 
 
 @dataclass(frozen=True)
 class CompactWeight:
-    """One [n, k] weight as `data`: uint8 [n, row_bytes], one weight row per line."""
+    """One [n, k] weight as `data`: uint8 [n, row_bytes], one weight row per line, in `fmt`: "bf16"
+    or a GGML type name (forerun.kernels.formats.QUANT_FORMATS, e.g. "Q4_K")."""
 
     fmt: str
     data: Tensor
@@ -30,7 +31,30 @@ class CompactWeight:
 
     @property
     def code(self) -> int:
+        """The compact GEMV's format code (only for the formats in FORMATS)."""
         return FORMATS[self.fmt][0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.k)
+
+    @property
+    def block_size(self) -> int:
+        """Weights per block along k (1 for bf16): a slice of k must start and end on one."""
+        return 1 if self.fmt == "bf16" else QUANT_FORMATS[self.fmt].block_size
+
+    def narrow_rows(self, start: int, length: int) -> CompactWeight:
+        """Weight rows [start, start + length) (a view)."""
+        return CompactWeight(self.fmt, self.data.narrow(0, start, length), self.k)
+
+    def narrow_cols(self, start: int, length: int) -> CompactWeight | None:
+        """Input columns [start, start + length) as a copy, or None where that would cut a block."""
+        size = self.block_size
+        if start % size or length % size:
+            return None
+        per = self.data.shape[1] // (self.k // size)  # bytes per block (2 for bf16's one weight)
+        return CompactWeight(self.fmt, self.data[:, start // size * per:(start + length) // size * per].contiguous(),
+                             length)
 
     @staticmethod
     def bf16_of(weight: Tensor) -> CompactWeight | None:
@@ -50,6 +74,8 @@ class CompactWeight:
         """The fp32 weight, computed as GGUF's reference de-quantization computes it."""
         if self.fmt == "bf16":
             return self.data.view(torch.bfloat16).float()
+        if self.fmt not in FORMATS:
+            return QUANT_FORMATS[self.fmt].dequantize(self.data)
         n = self.data.shape[0]
         blocks = self.data.view(n, -1, FORMATS[self.fmt][1])
         d = blocks[..., :2].contiguous().view(torch.float16).float()
@@ -62,19 +88,14 @@ class CompactWeight:
             return (d * q + m).view(n, -1)
         return ((q - 8) * d).view(n, -1)
 
-    def matches(self, weight: Tensor) -> bool:
-        """Whether this form expands to `weight`: exactly for fp32, and for a bf16 `weight` (a bf16
-        engine's copy) after rounding the expansion to bf16."""
-        if tuple(weight.shape) != (self.data.shape[0], self.k) or weight.dtype not in (torch.float32, torch.bfloat16):
-            return False
-        return torch.equal(self.expand().to(weight.dtype), weight)
-
     @staticmethod
     def cat(parts: list[CompactWeight]) -> CompactWeight | None:
         """Parts stacked by rows (q/k/v or gate/up packed into one matmul); None if they differ in form."""
         if len({(p.fmt, p.k) for p in parts}) != 1:
             return None
-        return CompactWeight(parts[0].fmt, torch.cat([p.data for p in parts]), parts[0].k)
+        # numpy: torch.cat of uint8 rows runs a slow generic path (30x slower measured here).
+        return CompactWeight(parts[0].fmt, torch.from_numpy(np.concatenate([p.data.numpy() for p in parts])),
+                             parts[0].k)
 
     @staticmethod
     def random(fmt: str, n: int, k: int, gen: torch.Generator | None = None) -> CompactWeight:
@@ -82,10 +103,4 @@ class CompactWeight:
         if fmt == "bf16":
             w = (torch.rand(n, k, generator=gen) - 0.5).mul_(0.1).to(torch.bfloat16)
             return CompactWeight(fmt, w.view(torch.uint8), k)
-        size = FORMATS[fmt][1]
-        data = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=gen)
-        scale = torch.full((n, k // 32, 1), 0.01, dtype=torch.float16).view(torch.uint8)
-        data[..., :2] = scale
-        if fmt == "Q4_1":
-            data[..., 2:4] = torch.full((n, k // 32, 1), -0.05, dtype=torch.float16).view(torch.uint8)
-        return CompactWeight(fmt, data.view(n, -1), k)
+        return CompactWeight(fmt, QUANT_FORMATS[fmt].random_blocks(n, k, 0.01, gen), k)

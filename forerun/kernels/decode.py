@@ -26,6 +26,7 @@ from torch import Tensor
 
 from forerun.kernels.attention import shape_supported
 from forerun.kernels.build import profiled
+from forerun.kernels.block_linear import KQuantLinear, Small
 from forerun.kernels.gemv import CompactLinear
 from forerun.kernels.ops import PARALLEL_MIN_ELEMENTS
 from forerun.kernels.types import DecodeBatch
@@ -40,10 +41,10 @@ class DecodeLayerWeights:
     copies) and the sliding window (None: full attention). The model builds these from its own
     modules; the tensors stay owned by it."""
 
-    qkv: CompactLinear
-    o: CompactLinear
-    gate_up: CompactLinear
-    down: CompactLinear
+    qkv: Small
+    o: Small
+    gate_up: Small
+    down: Small
     input_norm: Tensor
     post_norm: Tensor
     window: int | None
@@ -83,8 +84,15 @@ class _Batch(ctypes.Structure):
                 ("tables", _PTR), ("table_stride", _I64), ("lens", _PTR), ("max_len", _I64)]
 
 
-def _matmul(lin: CompactLinear) -> _Matmul:
+BLOCK_FMT = 256  # decode_layers.c: a format code at or above it names the block GEMV's ggml type
+
+
+def _matmul(lin: Small) -> _Matmul:
     bias = None if lin.bias is None else lin.bias.data_ptr()
+    if isinstance(lin, KQuantLinear):
+        blocks = lin.gemv.blocks
+        return _Matmul(blocks.data_ptr(), blocks.shape[1], BLOCK_FMT + lin.gemv.code, bias)
+    assert isinstance(lin, CompactLinear)
     return _Matmul(lin.packed.data_ptr(), lin.packed.shape[1], lin.code, bias)
 
 

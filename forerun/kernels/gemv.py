@@ -1,12 +1,11 @@
 """Small-batch matmuls over compact weights with fp32 arithmetic (`csrc/gemv_compact.c`).
 
-At one to a few decode rows a matmul is bound by reading its weights. Where a weight's bf16 or
-GGUF-block form (forerun.kernels.compact_weights) expands exactly to the fp32 weight, reading that
-form moves 2x (bf16) to 6x (Q4_1) fewer bytes for the same result up to summation order.
+At one to a few decode rows a matmul is bound by reading its weights. Reading a weight's bf16 form
+(where that holds the fp32 weight exactly) or a GGUF file's Q8_0/Q4_0/Q4_1 blocks
+(forerun.kernels.compact_weights) moves 2x (bf16) to 6x (Q4_1) fewer bytes than fp32.
 
 A bf16 engine uses the same kernel: its activations convert to fp32 at the kernel boundary (exact)
-and the output rounds back to bf16, so the matmul is the fp32 one over the expanded weights (a bf16
-engine's dense weight is that weight rounded to bf16; `matches` checks this relation).
+and the output rounds back to bf16, so the matmul is the fp32 one over the expanded weights.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ class CompactGemv:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.gemv_compact_f32
         self.pack_fn = lib.gemv_pack_f32
-        self.matches_fns = {torch.float32: lib.gemv_matches_f32, torch.bfloat16: lib.gemv_matches_bf16}
         self.build = build_name(lib)
 
     def linear(self, weight: CompactWeight | None, bias: Tensor | None, fp32_out: bool = False) -> CompactLinear | None:
@@ -65,17 +63,6 @@ class CompactGemv:
             return None
         b = None if bias is None else bias.detach().float().contiguous()
         return CompactLinear(self, self.pack(weight), weight.code, weight.k, weight.data.shape[0], b, fp32_out)
-
-    def matches(self, weight: CompactWeight, dense: Tensor) -> bool:
-        """`weight.matches(dense)` in one C pass (the torch version makes several of the whole model);
-        a bf16 `dense` matches when it is the expanded weight rounded to bf16."""
-        fn = self.matches_fns.get(dense.dtype)
-        if (fn is None or dense.device.type != "cpu" or not dense.is_contiguous()
-                or tuple(dense.shape) != (weight.data.shape[0], weight.k)):
-            return weight.matches(dense)
-        data = weight.data.contiguous()
-        return bool(fn(data.data_ptr(), weight.code, dense.shape[0], weight.k, dense.data_ptr(),
-                       torch.get_num_threads()))
 
     def pack(self, weight: CompactWeight) -> Tensor:
         """The kernel's own layout of `weight` (groups of 4 rows read front to back; see the C file),

@@ -1,9 +1,10 @@
 """Small-batch matmuls over GGUF blocks as the file stores them (`csrc/gemv_kquant.c`).
 
-Formats: Q8_0 and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Each weight is expanded in registers to
-exactly the fp32 value gguf's dequantizer gives, and multiplied by fp32 activations, so the result is
-fp32 `x @ W.T` over the dequantized weights up to the order of the sums. That order is fixed per
-output, so a row's result never depends on the other rows passed with it nor on the thread count.
+Formats: the legacy Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, and IQ4_NL, IQ4_XS. Each
+weight is expanded in registers to exactly the fp32 value gguf's dequantizer gives, and multiplied by
+fp32 activations, so the result is fp32 `x @ W.T` over the dequantized weights up to the order of the
+sums. That order is fixed per output, so a row's result never depends on the other rows passed with
+it nor on the thread count.
 Choosing this kernel over stock PyTorch (and falling back) is the caller's job.
 """
 
@@ -30,7 +31,7 @@ class BlockFormat(NamedTuple):
 # The formats the kernel reads, with their layout from the one table of GGML formats.
 FORMATS: dict[str, BlockFormat] = {
     name: BlockFormat(QUANT_FORMATS[name].ggml_type, QUANT_FORMATS[name].block_size, QUANT_FORMATS[name].block_bytes)
-    for name in ("Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 # The kernel's paths: "auto" takes the widest one built for this CPU; the others exist to test them.
 ISAS: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 
@@ -39,6 +40,41 @@ def supports(fmt: str, k: int) -> bool:
     """Whether the kernel runs rows of `k` weights in format `fmt` (k a whole number of blocks)."""
     spec = FORMATS.get(fmt)
     return spec is not None and k > 0 and k % spec.weights == 0
+
+
+def check_blocks(blocks: Tensor, fmt: str, k: int) -> None:
+    """Raise ValueError naming the field unless `blocks` is a CPU uint8 [n, row bytes] tensor holding
+    rows of `k` weights in format `fmt`, a format the kernels read, with k a whole number of blocks."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: {fmt!r} is not one of {sorted(FORMATS)}")
+    if not supports(fmt, k):
+        raise ValueError(f"k: {k} is not a positive multiple of {fmt}'s {FORMATS[fmt].weights} weights a block")
+    row_bytes = k // FORMATS[fmt].weights * FORMATS[fmt].bytes
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
+        raise ValueError(f"blocks: expected uint8 [n, {row_bytes}] for {fmt} with k={k}, "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    if blocks.device.type != "cpu":
+        raise ValueError(f"blocks: must be on the CPU, not {blocks.device}")
+
+
+def dequantize_blocks(lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int) -> Tensor:
+    """uint8 [n, row bytes] rows of `fmt` blocks -> float32 [n, k] (`csrc/dequant_blocks.c`).
+
+    Invariant: every value is bit-identical to gguf.quants.dequantize's (signs of zeros included), and
+    to the weight the GEMV and the block GEMM multiply by. RuntimeError when the C library is missing,
+    ValueError (naming the field) for input it cannot read.
+    """
+    if lib is None or not hasattr(lib, "dequant_rows_f32"):
+        raise RuntimeError("the C kernels are not built (forerun.kernels.build): use formats.dequantize_rows")
+    check_blocks(blocks, fmt, k)
+    blocks = blocks.contiguous()
+    out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
+    with profiled("forerun::dequant_blocks"):
+        rc = lib.dequant_rows_f32(blocks.data_ptr(), blocks.shape[1], FORMATS[fmt].code, blocks.shape[0], k,
+                                  out.data_ptr(), torch.get_num_threads())
+    if rc != 0:  # checked above, so this is a mismatch between this file and the C one
+        raise RuntimeError(f"dequant_rows_f32 refused {fmt} k={k} (code {rc})")
+    return out
 
 
 def available_isas(lib: ctypes.CDLL) -> list[str]:
@@ -59,21 +95,12 @@ class KQuantGemv:
     def __init__(self, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int, isa: str = "auto") -> None:
         if lib is None or not hasattr(lib, "gemv_kquant_f32"):
             raise RuntimeError("the C kernels are not built (forerun.kernels.build): use the stock PyTorch path")
-        if fmt not in FORMATS:
-            raise ValueError(f"fmt: {fmt!r} is not one of {sorted(FORMATS)}")
-        if not supports(fmt, k):
-            raise ValueError(f"k: {k} is not a positive multiple of {fmt}'s {FORMATS[fmt].weights} weights a block")
+        check_blocks(blocks, fmt, k)
         if isa not in ISAS:
             raise ValueError(f"isa: {isa!r} is not one of {sorted(ISAS)}")
         if isa != "auto" and isa not in available_isas(lib):
             raise ValueError(f"isa: {isa!r} is not built for this CPU (built: {available_isas(lib)})")
         spec = FORMATS[fmt]
-        row_bytes = k // spec.weights * spec.bytes
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
-            raise ValueError(f"blocks: expected uint8 [n, {row_bytes}] for {fmt} with k={k}, "
-                             f"got {blocks.dtype} {tuple(blocks.shape)}")
-        if blocks.device.type != "cpu":
-            raise ValueError(f"blocks: must be on the CPU, not {blocks.device}")
         self.fn = lib.gemv_kquant_f32
         self.blocks = blocks.contiguous()
         self.fmt, self.k, self.n = fmt, k, blocks.shape[0]

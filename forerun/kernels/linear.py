@@ -11,15 +11,18 @@ and never names a kernel itself.
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from forerun.kernels.block_linear import Small, joined, large_block_linear, small_block_linear
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemm import PackedGemm
-from forerun.kernels.gemv import CompactGemv, CompactLinear
+from forerun.kernels.gemv import CompactGemv
 from forerun.kernels.types import LinearFn
 
 KERNELS = ("aten", "mkldnn", "native")
@@ -73,7 +76,7 @@ class BuiltLinear:
     """
 
     matmul: LinearFn | None
-    small: CompactLinear | None
+    small: Small | None
     reads_dense: bool
 
 
@@ -81,13 +84,18 @@ class BuiltLinear:
 class LinearPlan:
     """How every matmul of one model runs: `kernel` (`gemm` runs 'native') for all inputs, prepacked
     for `batch_hint` rows, and `gemv` over a compact form of the weight for inputs of at most
-    `gemv_rows` rows, where the weight has one the kernel reads exactly."""
+    `gemv_rows` rows, where the weight has one the kernel reads exactly. A weight held as GGUF blocks
+    (`build_blocks`) reads them through `lib`'s block kernels; `dense_copy` lets its inputs of more
+    than `gemv_rows` rows read a dense copy in the model's dtype instead (more memory, the fastest
+    batched matmuls where the block matmul is slower)."""
 
     kernel: str = "aten"
     batch_hint: int = 1
     gemv: CompactGemv | None = None
     gemv_rows: int = 0
     gemm: PackedGemm | None = None
+    lib: ctypes.CDLL | None = None
+    dense_copy: bool = False
 
     def build(self, weight: Tensor, bias: Tensor | None, compact: CompactWeight | None,
               fp32_out: bool = False) -> BuiltLinear:
@@ -103,3 +111,25 @@ class LinearPlan:
         else:
             matmul = large
         return BuiltLinear(matmul, small, reads_dense=large is None)
+
+    def build_blocks(self, blocks: Sequence[CompactWeight], bias: Tensor | None, dtype: torch.dtype,
+                     fp32_out: bool = False) -> BuiltLinear:
+        """The matmul x -> x W^T + b of a weight held as GGUF blocks (one entry per part in its own
+        format, rows in order), in `dtype`; `small` is set where one GEMV reads the whole weight."""
+        if self.dense_copy:
+            weight = torch.cat([b.expand() for b in blocks]).to(dtype)
+            large = make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
+        else:
+            large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
+        if self.gemv_rows <= 0:
+            return BuiltLinear(large, None, reads_dense=False)
+        if len(blocks) == 1:
+            small = small_block_linear(self.lib, blocks[0], bias, fp32_out)
+            if small is None:
+                return BuiltLinear(large, None, reads_dense=False)
+            return BuiltLinear(split_by_rows(small, large, self.gemv_rows), small, reads_dense=False)
+        smalls = [small_block_linear(self.lib, b, None, fp32_out) for b in blocks]
+        if any(s is None for s in smalls):
+            return BuiltLinear(large, None, reads_dense=False)
+        # Parts in several formats: no single GEMV for the fused decode step (`small` None).
+        return BuiltLinear(split_by_rows(joined(smalls, bias), large, self.gemv_rows), None, reads_dense=False)

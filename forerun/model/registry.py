@@ -10,9 +10,8 @@ from typing import Iterable, Protocol
 import torch
 from torch import Tensor
 
-from forerun.kernels.compact_weights import CompactWeight, MatchFn
-from forerun.loader.gguf_blocks import load_gguf_blocks
-from forerun.loader.weights import iter_safetensors
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.loader.weights import is_gguf_folder, iter_model_weights
 from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
@@ -71,10 +70,11 @@ def check_pipeline_stages(folder: Path, pp_size: int) -> None:
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup(),
                backend: AttentionBackend | None = None, pp_rank: int = 0, pp_size: int = 1,
-               matches: MatchFn = CompactWeight.matches) -> CausalLM:
-    """Build the model for `folder`'s config.json on `device` in `dtype` and load its safetensors
+               keep_blocks: bool = True) -> CausalLM:
+    """Build the model for `folder`'s config.json on `device` in `dtype` and load its weights
     (attention through `backend`, stock PyTorch when None); with `pp_size` > 1 only pipeline stage
-    `pp_rank`'s share of the layers. `matches` checks that a GGUF block form expands to its weight."""
+    `pp_rank`'s share of the layers. A GGUF file's quantized matrices stay blocks when `keep_blocks`
+    (their matmuls then need `use_linear_kernel`), else they are expanded to dense weights in `dtype`."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"folder: no config.json in {folder}")
@@ -84,11 +84,18 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
     pp = PPStage.split(pp_rank, pp_size, args.num_layers) if pp_size > 1 else PPStage()
     with torch.device(device):
         model = cls(args, tp, backend, pp)
-    model.to(dtype)
-    model.load_weights(iter_safetensors(Path(folder)))
+    weights = iter_model_weights(Path(folder))
+    if is_gguf_folder(Path(folder)):
+        if not keep_blocks:
+            weights = ((n, w.expand() if isinstance(w, CompactWeight) else w) for n, w in weights)
+        # Loaded first, converted after: the matrices that stay blocks then never take dense memory.
+        model.load_weights(weights)
+        model.to(dtype)
+    else:
+        model.to(dtype)
+        model.load_weights(weights)
     model.requires_grad_(False).eval()
-    attached = model.attach_compact_weights(load_gguf_blocks(Path(folder)), matches)
-    if attached:
-        logger.info("%d matmuls can read the GGUF file's own quantized blocks", attached)
+    if model.holds_blocks():
+        logger.info("the GGUF file's quantized matrices are held as stored (%s mostly)", model.compact_format())
     logger.info("loaded %s from %s (%d layers, tp rank %d/%d)", arch, folder, args.num_layers, tp.rank, tp.size)
     return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -17,12 +18,13 @@ import torch.distributed as dist
 from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.kernels.build import load_native_library
-from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
-from forerun.kernels.probe import DTYPE_NAMES, KernelChoice, choose_gemv_rows, choose_kernels, measure
+from forerun.kernels.block_linear import small_block_linear
+from forerun.kernels.probe import (DTYPE_NAMES, KernelChoice, MatmulPair, choose_gemv_rows, choose_kernels,
+                                   dense_pair, measure)
 from forerun.loader.model_source import cache_dir
 from forerun.model.attention import NativeDecodeBackend
 from forerun.model.bert import load_bert
@@ -58,8 +60,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     On CPU numpy's calloc maps fresh zero pages that the kernel fills on first touch, so a large KV
     cache costs nothing at start-up (torch.zeros would write every byte: about 0.4 s per GiB here).
     """
-    if device.type == "cpu" and dtype in (torch.float32, torch.float16):
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float16))
+    if device.type == "cpu" and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # numpy has no bf16: zero 16-bit integers are the same bytes as bf16 zeros.
+        np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}[dtype]
+        return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -126,15 +130,17 @@ class Worker:
             self.kernel_choice = choice = self._choose_kernels()
             self.dtype = choice.torch_dtype
             gemv = None if lib is None else CompactGemv(lib)
+            # GGUF blocks are read by the C kernels only; elsewhere (CUDA, no compiler) they are expanded.
             self.model = load_model(self.folder, self.dtype, self.device, self.tp,
                                     None if lib is None else NativeDecodeBackend(lib), self.stage, self.pp_size,
-                                    CompactWeight.matches if gemv is None else gemv.matches)
+                                    keep_blocks=lib is not None)
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
-            gemv_rows = self._choose_gemv_rows(choice, gemv)
-            if choice.linear_kernel != "aten" or gemv_rows:
-                on_gemv, total = self.model.use_linear_kernel(
-                    LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, gemv_rows, self.gemm))
+            plan = LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, 0, self.gemm, lib,
+                              config.dense_weights)
+            gemv_rows = self._choose_gemv_rows(choice, plan)
+            if choice.linear_kernel != "aten" or gemv_rows or self.model.holds_blocks():
+                on_gemv, total = self.model.use_linear_kernel(dataclasses.replace(plan, gemv_rows=gemv_rows))
                 if gemv_rows and self.rank == 0:
                     logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
                                 "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
@@ -188,22 +194,29 @@ class Worker:
             logger.info("CPU matmuls: %s", choice.describe())
         return choice
 
-    def _choose_gemv_rows(self, choice: KernelChoice, gemv: CompactGemv | None) -> int:
-        """Up to how many rows matmuls read compact weights (forerun.kernels.gemv; a bf16 engine's
-        activations convert to fp32 at the kernel): as configured, or measured on this CPU against
-        the chosen kernel and dtype for the model's compact format (rank 0 decides). 0 where it
-        cannot apply."""
+    def _choose_gemv_rows(self, choice: KernelChoice, plan: LinearPlan) -> int:
+        """Up to how many rows matmuls read compact weights with a GEMV (a bf16 engine's activations
+        convert to fp32 at the kernel): as configured, or measured on this CPU for the model's compact
+        format, against `plan`'s batched matmul (the chosen kernel over dense weights; for GGUF blocks
+        the block matmul or the dense copy); rank 0 decides. 0 where it cannot apply."""
         want = self.config.gemv_max_rows
         fmt = self.model.compact_format()
-        usable = gemv is not None and choice.torch_dtype in (torch.float32, torch.bfloat16) and fmt is not None
+        usable = plan.gemv is not None and choice.torch_dtype in (torch.float32, torch.bfloat16) and fmt is not None
         if want is not None:  # the same on every rank: no collective needed
             return want if usable else 0
         rows = 0
         if self.rank == 0 and usable:
-            assert gemv is not None and fmt is not None
-            rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.tp.size),
-                                             choice.linear_kernel, gemv, fmt, self._decode_batch(),
-                                             cache_dir() / "cpu_probe.json", self.gemm, choice.torch_dtype)
+            assert plan.gemv is not None and fmt is not None
+            dtype = choice.torch_dtype
+            if self.model.holds_blocks():
+                pair: MatmulPair = lambda w: (small_block_linear(plan.lib, w, None, False),  # noqa: E731
+                                              plan.build_blocks([w], None, dtype).matmul)
+                key = [plan.gemv.build, "blocks", plan.dense_copy, choice.linear_kernel]
+            else:
+                pair, key = dense_pair(choice.linear_kernel, plan.gemv, dtype, self.gemm), [plan.gemv.build,
+                                                                                             choice.linear_kernel]
+            rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.tp.size), pair, fmt,
+                                             self._decode_batch(), cache_dir() / "cpu_probe.json", key, dtype)
             logger.info("%s-weight GEMV vs %s %s, speed-up by rows: %s", fmt, choice.dtype, choice.linear_kernel,
                         ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())) or "not measured")
         if self.world_size > 1:  # every rank joins, whatever it found locally

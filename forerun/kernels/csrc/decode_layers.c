@@ -24,6 +24,8 @@
 
 void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int fmt, const float *b, float *y,
                       int64_t rows, int64_t k, int64_t n, int nthreads);
+int gemv_kquant_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows, int64_t k,
+                    int64_t n, int isa, int nthreads);
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *res_out,
                       int64_t rows, int64_t hidden, float eps, int nthreads);
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter, int nthreads);
@@ -38,7 +40,10 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *c
                           int64_t KVH, int64_t D, int64_t NB, int64_t BS, int64_t window, float scale, int nthreads,
                           int64_t max_len);
 
-/* One matmul on the compact-weight GEMV: the packed weight, its format and group size, bias or NULL. */
+/* One matmul: on the compact-weight GEMV (the packed weight, its format and group size), or, where
+ * fmt >= BLOCK_FMT, on the block GEMV over a GGUF file's rows of blocks as stored (w the rows,
+ * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type); bias or NULL. */
+enum { BLOCK_FMT = 256 };
 typedef struct {
     const uint8_t *w;
     int64_t group_bytes;
@@ -85,7 +90,15 @@ static inline uint16_t to_bf16(float v) { /* round to nearest even, as torch's .
 }
 
 static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, int64_t k, int64_t n, int nthreads) {
-    gemv_compact_f32(x, m->w, m->group_bytes, (int)m->fmt, m->bias, y, rows, k, n, nthreads);
+    if (m->fmt < BLOCK_FMT) {
+        gemv_compact_f32(x, m->w, m->group_bytes, (int)m->fmt, m->bias, y, rows, k, n, nthreads);
+        return;
+    }
+    /* The format and shape were checked when the Python side built this matmul. */
+    gemv_kquant_f32(x, m->w, m->group_bytes, (int)(m->fmt - BLOCK_FMT), y, rows, k, n, 0, nthreads);
+    if (m->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) y[r * n + j] += m->bias[j];
 }
 
 /* The new tokens' K (rotated, in qk) and V (in qkv) into the paged cache; then the attention of q. */

@@ -13,7 +13,7 @@
  * computed as d * sum(q x) + m * sum(x): one multiply-add per weight instead of two, and sum(x) is
  * taken once per row of x for every weight row. The fp32 weights themselves are q * d + m rounded
  * once (fp16 -> fp32 and small integers are exact, d * q needs at most 11 + 8 significant bits, so
- * only the + m rounds, fused or not); `gemv_matches_f32` checks a model's weights against that.
+ * only the + m rounds, fused or not).
  *
  * Layout (made once at load by `gemv_pack_f32` from the GGUF blocks): weight rows in groups of 4 (the
  * last group padded with zero rows), each group read front to back in one pass, which the hardware
@@ -247,57 +247,4 @@ void gemv_pack_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, uint8_t *d
             for (int u = 0; u < 16; u++) out[u] = (uint8_t)(q[2 * u] | (q[2 * u + 1] << 4));
         }
     }
-}
-
-/* 1 when GGUF blocks (or bf16 rows) [n, row bytes] expand exactly to the fp32 weight w [n, k], as
- * forerun.kernels.compact_weights.CompactWeight.expand computes the expansion (each weight rounded once;
- * see the arithmetic note at the top), else 0. One pass over both, to check a model's forms at load. */
-/* fp32 to bf16 as torch's `.to(torch.bfloat16)` rounds: to nearest, ties to even (NaN stays NaN). */
-static inline uint16_t f32_to_bf16_rne(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* Whether every expanded weight equals dense w [n, k]: fp32 (`bf16_dense` 0) exactly, or bf16
- * (`bf16_dense` 1, uint16 bits) after the expanded value's rounding to bf16, as a bf16 engine holds it. */
-static int matches(const uint8_t *src, int fmt, int64_t n, int64_t k, const void *w, int bf16_dense, int nthreads) {
-    const int64_t blocks = k / 32;
-    const int bsize = gguf_block_bytes(fmt);
-    const int64_t row_bytes = fmt == FMT_BF16 ? 2 * k : blocks * bsize;
-    if (fmt != FMT_BF16 && k % 32) return 0;
-    int equal = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(&& : equal)
-    for (int64_t j = 0; j < n; j++) {
-        const uint8_t *in = src + j * row_bytes;
-        const float *wr = (const float *)w + j * k;
-        const uint16_t *hr = (const uint16_t *)w + j * k;
-#define SAME(v, i) (bf16_dense ? f32_to_bf16_rne(v) == hr[i] : (v) == wr[i])
-        if (fmt == FMT_BF16) {
-            for (int64_t i = 0; i < k; i++) equal = equal && SAME(ld_bf16((const uint16_t *)in + i), i);
-            continue;
-        }
-        for (int64_t blk = 0; blk < blocks && equal; blk++) {
-            const uint8_t *p = in + blk * bsize;
-            const float d = fp16_to_f32(p), m = fmt == FMT_Q4_1 ? fp16_to_f32(p + 2) : 0.f;
-            uint8_t q4[32];
-            if (fmt != FMT_Q8_0) gguf_q4_nibbles(p, fmt, q4);
-            for (int i = 0; i < 32; i++) {
-                const float q = fmt == FMT_Q8_0 ? (float)(int8_t)p[2 + i] : (float)q4[i];
-                const float v = fmt == FMT_Q8_0 ? q * d : fmt == FMT_Q4_1 ? d * q + m : (q - 8.f) * d;
-                equal = equal && SAME(v, blk * 32 + i);
-            }
-        }
-#undef SAME
-    }
-    return equal;
-}
-
-int gemv_matches_f32(const uint8_t *src, int fmt, int64_t n, int64_t k, const float *w, int nthreads) {
-    return matches(src, fmt, n, k, w, 0, nthreads);
-}
-
-int gemv_matches_bf16(const uint8_t *src, int fmt, int64_t n, int64_t k, const uint16_t *w, int nthreads) {
-    return matches(src, fmt, n, k, w, 1, nthreads);
 }

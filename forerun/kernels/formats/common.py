@@ -26,7 +26,8 @@ class QuantFormat:
     float32 values with the same float operations, in the same order, as ggml's reference
     de-quantization, so results are bit-identical to it.
 
-    `ggml_type` is the type's number in the GGUF file format (ggml's `enum ggml_type`).
+    `ggml_type` is the type's number in the GGUF file format (ggml's `enum ggml_type`);
+    `scale_offsets` are the byte offsets of a block's fp16 scale fields (d, and dmin or m).
     """
 
     name: str
@@ -34,6 +35,7 @@ class QuantFormat:
     block_size: int
     block_bytes: int
     decode: DecodeFn
+    scale_offsets: tuple[int, ...] = ()
 
     def row_bytes(self, cols: int) -> int:
         """Bytes one row of `cols` elements takes; ValueError when `cols` is not whole blocks."""
@@ -62,6 +64,17 @@ class QuantFormat:
             blocks = part.reshape(-1, self.block_bytes)
             out[start:start + part.shape[0]] = self.decode(blocks).reshape(part.shape[0], cols)
         return out
+
+
+    def random_blocks(self, rows: int, cols: int, scale: float, gen: torch.Generator | None = None) -> Tensor:
+        """uint8 [rows, row_bytes] of random codes with every scale field `scale`: weights of a
+        realistic magnitude, for timing (no NaN, infinity or subnormal slows a kernel)."""
+        blocks = torch.randint(0, 256, (rows * (cols // self.block_size), self.block_bytes), dtype=torch.uint8,
+                               generator=gen)
+        field = torch.tensor([scale], dtype=torch.float16).view(torch.uint8)
+        for offset in self.scale_offsets:
+            blocks[:, offset:offset + 2] = field
+        return blocks.view(rows, self.row_bytes(cols))
 
 
 def half(blocks: Tensor, offset: int) -> Tensor:

@@ -39,6 +39,6 @@ def _iq4_xs(blocks: Tensor) -> Tensor:
 
 
 IQ4_FORMATS = (
-    QuantFormat("IQ4_NL", 20, 32, 18, _iq4_nl),
-    QuantFormat("IQ4_XS", 23, 256, 136, _iq4_xs),
+    QuantFormat("IQ4_NL", 20, 32, 18, _iq4_nl, (0,)),
+    QuantFormat("IQ4_XS", 23, 256, 136, _iq4_xs, (0,)),
 )

@@ -86,9 +86,9 @@ def _q6_k(blocks: Tensor) -> Tensor:
 
 
 K_FORMATS = (
-    QuantFormat("Q2_K", 10, 256, 84, _q2_k),
-    QuantFormat("Q3_K", 11, 256, 110, _q3_k),
-    QuantFormat("Q4_K", 12, 256, 144, _q4_k),
-    QuantFormat("Q5_K", 13, 256, 176, _q5_k),
-    QuantFormat("Q6_K", 14, 256, 210, _q6_k),
+    QuantFormat("Q2_K", 10, 256, 84, _q2_k, (80, 82)),
+    QuantFormat("Q3_K", 11, 256, 110, _q3_k, (108,)),
+    QuantFormat("Q4_K", 12, 256, 144, _q4_k, (0, 2)),
+    QuantFormat("Q5_K", 13, 256, 176, _q5_k, (0, 2)),
+    QuantFormat("Q6_K", 14, 256, 210, _q6_k, (208,)),
 )

@@ -46,9 +46,9 @@ def _q8_0(blocks: Tensor) -> Tensor:
 
 
 LEGACY_FORMATS = (
-    QuantFormat("Q4_0", 2, 32, 18, _q4_0),
-    QuantFormat("Q4_1", 3, 32, 20, _q4_1),
-    QuantFormat("Q5_0", 6, 32, 22, _q5_0),
-    QuantFormat("Q5_1", 7, 32, 24, _q5_1),
-    QuantFormat("Q8_0", 8, 32, 34, _q8_0),
+    QuantFormat("Q4_0", 2, 32, 18, _q4_0, (0,)),
+    QuantFormat("Q4_1", 3, 32, 20, _q4_1, (0, 2)),
+    QuantFormat("Q5_0", 6, 32, 22, _q5_0, (0,)),
+    QuantFormat("Q5_1", 7, 32, 24, _q5_1, (0, 2)),
+    QuantFormat("Q8_0", 8, 32, 34, _q8_0, (0,)),
 )

@@ -1,0 +1,98 @@
+"""Matmuls over weights held only as a GGUF file's blocks: which kernel runs each row count.
+
+Few rows are bound by reading the weights: a GEMV reads the blocks as stored (forerun.kernels.
+kquant_gemv, every GGML format forerun reads). Many rows are bound by arithmetic: a block matmul
+expands a tile of blocks at a time in cache and multiplies every row by it (forerun.kernels.
+block_matmul); where no C kernel reads a format the weight is expanded per call (correct, slow). Each
+part of a packed weight in its own format (q/k/v of a K-quant mix) runs on its own and the outputs
+are joined.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from forerun.kernels.block_matmul import BlockMatmul, available_isas
+from forerun.kernels.build import profiled
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.gemv import CompactLinear
+from forerun.kernels.kquant_gemv import KQuantGemv
+from forerun.kernels.types import LinearFn
+
+
+@dataclass(frozen=True)
+class KQuantLinear:
+    """x -> x W^T + b over one weight's GGUF blocks as stored (the block GEMV); its fields are what the
+    fused decode step (forerun.kernels.decode) hands to C."""
+
+    gemv: KQuantGemv
+    bias: Tensor | None  # fp32, contiguous
+    fp32_out: bool = False  # True: fp32 output whatever the input's dtype (logits)
+
+    @property
+    def k(self) -> int:
+        return self.gemv.k
+
+    @property
+    def n(self) -> int:
+        return self.gemv.n
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self.gemv(x.float() if self.fp32_out else x)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+Small = CompactLinear | KQuantLinear
+
+
+def small_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,
+                       fp32_out: bool) -> KQuantLinear | None:
+    """The GEMV for few rows over `weight`'s blocks as stored, or None where no kernel reads its format."""
+    gemv = KQuantGemv.create(lib, weight.data, weight.fmt, weight.k)
+    if gemv is None:
+        return None
+    return KQuantLinear(gemv, None if bias is None else bias.detach().float().contiguous(), fp32_out)
+
+
+def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: torch.dtype,
+                       fp32_out: bool = False) -> LinearFn:
+    """The matmul for many rows over `weight`'s blocks, for inputs in `dtype` (fp32 out with
+    `fp32_out`): the block matmul (its bf16 variant only where the CPU has AVX512_BF16; elsewhere bf16
+    is emulated and the fp32 variant runs), else the weight expanded per call."""
+    mm = BlockMatmul.create(lib, weight.data, weight.fmt, weight.k)
+    if mm is None:
+        run = expanding_linear([weight], None, dtype)
+        return (lambda x: run(x).float()) if fp32_out else run
+    assert lib is not None
+    if dtype == torch.bfloat16 and "avx512" not in available_isas(lib, torch.bfloat16):
+        return lambda x: mm(x.float()) if fp32_out else mm(x.float()).to(x.dtype)
+    return lambda x: mm(x, fp32_out)
+
+
+def expanding_linear(blocks: Sequence[CompactWeight], bias: Tensor | None, dtype: torch.dtype) -> LinearFn:
+    """x -> x W^T + b that expands the blocks at every call: the fallback where no kernel reads them
+    (no C library, or a format no kernel knows). Correct and slow: nothing dense is kept."""
+    def run(x: Tensor) -> Tensor:
+        with profiled("forerun::linear_expand"):
+            w = torch.cat([b.expand() for b in blocks]).to(dtype)
+            return F.linear(x, w, bias)
+    return run
+
+
+def joined(parts: Sequence[LinearFn], bias: Tensor | None) -> LinearFn:
+    """The matmul of a weight stacked from parts (rows in order), each part's output side by side."""
+    if len(parts) == 1 and bias is None:
+        return parts[0]
+
+    def run(x: Tensor) -> Tensor:
+        y = torch.cat([p(x) for p in parts], dim=-1) if len(parts) > 1 else parts[0](x)
+        return y if bias is None else y + bias.to(y.dtype)
+    return run

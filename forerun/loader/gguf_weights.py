@@ -1,0 +1,74 @@
+"""A GGUF file's tensors as the model loads them: float tensors as torch tensors, quantized matrices as
+their own blocks (forerun.kernels.compact_weights.CompactWeight), never expanded.
+
+The file is memory-mapped; each tensor is copied out once, in its stored format, so the loaded model
+holds about the file's size and the mapping is released when loading ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.formats import QUANT_FORMATS, QuantFormat
+from forerun.loader.gguf_index import TensorEntry, read_index
+from forerun.loader.gguf_tensors import hf_tensor_name, unpermute_rotary_rows
+
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def rotary_heads(name: str, config: dict[str, Any]) -> int | None:
+    """Heads of a q/k projection whose rows llama.cpp interleaved (Llama only), else None."""
+    if config["model_type"] != "llama":
+        return None
+    if name.endswith("q_proj.weight"):
+        return int(config["num_attention_heads"])
+    if name.endswith("k_proj.weight"):
+        return int(config["num_key_value_heads"])
+    return None
+
+
+_BY_TYPE = {f.ggml_type: f for f in QUANT_FORMATS.values()}
+
+
+def _format(entry: TensorEntry) -> QuantFormat:
+    fmt = _BY_TYPE.get(entry.ggml_type)
+    if fmt is None:
+        from gguf import GGMLQuantizationType  # only to name the type; importing gguf takes 0.2 s
+        try:
+            type_name = GGMLQuantizationType(entry.ggml_type).name
+        except ValueError:
+            type_name = f"number {entry.ggml_type}"
+        raise ValueError(f"gguf: unsupported quant type {type_name} in tensor {entry.name}; "
+                         f"supported: {', '.join(sorted(QUANT_FORMATS))}")
+    return fmt
+
+
+def iter_gguf_weights(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, Tensor | CompactWeight]]:
+    """(Hugging Face name, tensor) for every tensor of the GGUF file: float32 tensors for float types and
+    1-D tensors, CompactWeight blocks for quantized matrices; q/k rows in Hugging Face's rotary order."""
+    index = read_index(path)
+    for entry in index:  # every name and type is checked before any data is read
+        hf_tensor_name(entry.name)
+        _format(entry)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        for entry in index:
+            fmt, name = _format(entry), hf_tensor_name(entry.name)
+            cols, rows = entry.dims[0], int(np.prod(entry.dims[1:], dtype=np.int64))
+            row_bytes = fmt.row_bytes(cols)
+            raw = data[entry.offset:entry.offset + rows * row_bytes].reshape(rows, row_bytes)
+            heads = rotary_heads(name, config)
+            raw = unpermute_rotary_rows(raw, heads) if heads is not None else np.array(raw, copy=True)
+            if fmt.name in FLOAT_TYPES or len(entry.dims) != 2:
+                shape = tuple(reversed(entry.dims))
+                yield name, fmt.dequantize(torch.from_numpy(raw)).reshape(shape)
+            else:
+                yield name, CompactWeight(fmt.name, torch.from_numpy(raw), cols)
+    finally:
+        del data  # drops the memory map: only the copies stay resident

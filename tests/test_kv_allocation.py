@@ -1,0 +1,26 @@
+"""The KV cache is allocated as untouched zero pages in every CPU dtype: a large cache costs no resident
+memory until its blocks are used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.worker.worker import _zeros
+
+
+def _resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_kv_cache_takes_no_memory_until_used(dtype: torch.dtype) -> None:
+    before = _resident_mb()
+    cache = _zeros((2, 4096, 16, 8, 256), dtype, torch.device("cpu"))  # 512 MiB in fp32, 256 in 16-bit types
+    grown = _resident_mb() - before
+    assert cache.dtype == dtype and cache.shape == (2, 4096, 16, 8, 256)
+    assert grown < 16, f"allocating the cache made {grown:.0f} MiB resident"
+    assert cache[1, 4095].abs().sum().item() == 0 and cache[0, 0, 0, 0, 0].item() == 0.0
+    cache[0, :64].fill_(1.0)  # using blocks makes exactly those pages resident
+    assert _resident_mb() - before >= cache[0, :64].numel() * cache.element_size() / 2**20 * 0.9
