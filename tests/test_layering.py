@@ -54,10 +54,9 @@ FORBIDDEN = {
     "forerun.loader": ("forerun.core", "forerun.config"),
 }
 # Tracked files that may name a machine path, and why.
-PATH_ALLOWED = {
-    "tests/test_layering.py",  # the patterns below
-}
-MACHINE_PATHS = ("/work/", "/root/", "/home/", "/tmp/")
+PATH_ALLOWED: set[str] = set()
+# Spelled in pieces so that this file itself names no machine path.
+MACHINE_PATHS = tuple("/" + name + "/" for name in ("work", "root", "home", "tmp"))
 
 
 def _module_name(path: Path) -> str:
@@ -172,7 +171,8 @@ def test_kernels_know_no_architecture():
                 assert word not in code, f"{module} names {word!r}"
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]),
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_files_are_small(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}): split it by job"

@@ -116,3 +116,15 @@ def test_unknown_model_raises(value: str, tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.chdir(tmp_path)  # "" must not resolve to the working directory
     with pytest.raises(ValueError, match="model: .*not found"):
         resolve_model(value)
+
+
+def test_the_first_start_of_a_gguf_says_so_once(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    resolve_model(str(tiny_gguf), show_progress=True)
+    assert "forerun: reading the config and tokenizer of tiny" in capsys.readouterr().err
+    resolve_model(str(tiny_gguf), show_progress=True)  # described already: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_no_progress_line_when_asked_for_none(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    resolve_model(str(tiny_gguf), show_progress=False)
+    assert capsys.readouterr().err == ""

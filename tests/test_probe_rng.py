@@ -42,7 +42,8 @@ def test_probe_measurements_leave_the_global_rng_alone(lib, tmp_path, monkeypatc
     choice = probe.choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, tmp_path / "p.json", gemm)
     assert choice.gflops, "several candidates: the probe really measured"
     probe.measure(SHAPES, 8, [(torch.float32, "native")], gemm=gemm)
-    rows, speedup = probe.choose_gemv_rows(SHAPES[:2], "aten", CompactGemv(lib), "bf16", 4, tmp_path / "p.json")
+    pair = probe.dense_pair("aten", CompactGemv(lib), torch.float32)
+    rows, speedup = probe.choose_gemv_rows(SHAPES[:2], pair, "bf16", 4, tmp_path / "p.json", ["aten"])
     assert speedup, "the GEMV probe really measured"
     assert torch.equal(torch.get_rng_state(), before), "the probe drew from torch's global RNG"
 

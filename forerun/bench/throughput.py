@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = None
     if args.random_model:
         tmp = tempfile.TemporaryDirectory(prefix="forerun-bench-")
-        folder = make_tiny_llama(Path(tmp.name), resolve_model(config.model),
+        folder = make_tiny_llama(Path(tmp.name), resolve_model(config.model, show_progress=False),
                                  args.random_hidden, args.random_layers, vocab=args.random_vocab)
         config = dataclasses.replace(config, model=str(folder))
     folder = resolve_model(config.model)

@@ -46,7 +46,7 @@ class AsyncLLM:
         config.validate()
         self.config = config
         self.runner = config.runner
-        self.model_folder: Path = resolve_model(config.model)
+        self.model_folder: Path = resolve_model(config.model, show_progress=show_progress)
         # Refused here, in one line, before the core process and its workers start (the core checks again).
         config.check_model(read_model_config(self.model_folder))
         self.tokenizer = Tokenizer.from_folder(self.model_folder)

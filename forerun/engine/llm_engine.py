@@ -36,7 +36,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         config.validate()
         self.config = config
-        self.model_folder = resolve_model(config.model)
+        self.model_folder = resolve_model(config.model, show_progress=show_progress)
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
         # The factory runs on the first structured request, when the core knows the model's vocabulary.
         self.core = EngineCore(config, self.model_folder,

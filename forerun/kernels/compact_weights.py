@@ -20,6 +20,11 @@ from forerun.kernels.formats import QUANT_FORMATS
 FORMATS = {"bf16": (0, 64), "Q8_0": (1, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
 
 
+def block_size(fmt: str) -> int:
+    """Weights per block along k of format `fmt` ("bf16" or a GGML type name; 1 for bf16)."""
+    return 1 if fmt == "bf16" else QUANT_FORMATS[fmt].block_size
+
+
 @dataclass(frozen=True)
 class CompactWeight:
     """One [n, k] weight as `data`: uint8 [n, row_bytes], one weight row per line, in `fmt`: "bf16"
@@ -41,7 +46,7 @@ class CompactWeight:
     @property
     def block_size(self) -> int:
         """Weights per block along k (1 for bf16): a slice of k must start and end on one."""
-        return 1 if self.fmt == "bf16" else QUANT_FORMATS[self.fmt].block_size
+        return block_size(self.fmt)
 
     def narrow_rows(self, start: int, length: int) -> CompactWeight:
         """Weight rows [start, start + length) (a view)."""

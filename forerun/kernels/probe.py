@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.compact_weights import CompactWeight, block_size
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
 from forerun.kernels.linear import available_kernels, make_linear
@@ -156,7 +156,7 @@ def measure_gemv(shapes: list[tuple[int, int, int]], pair: MatmulPair, fmt: str,
     with torch.inference_mode():
         layers = []
         for k, n, count in shapes:
-            if k % CompactWeight.random(fmt, 1, 256).block_size:
+            if k % block_size(fmt):
                 continue  # a shard that would cut this format's blocks is held dense, not timed here
             copies = min(count, max(1, -(-count * PROBE_WEIGHT_BYTES // total)))
             for _ in range(copies):

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,9 +50,10 @@ def _cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(identity.encode("utf-8")).hexdigest()[:12]
 
 
-def converted_gguf_dir(gguf_path: Path) -> Path:
+def converted_gguf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
     """The cache folder describing `gguf_path` (forerun.loader.gguf_convert.describe_gguf); made
-    first when absent. No weight is converted: loading reads the file's tensors as stored.
+    first when absent, with one line on stderr when `show_progress` (reading a large vocabulary takes
+    seconds). No weight is converted: loading reads the file's tensors as stored.
 
     It is written to a temporary sibling folder and renamed into place, so the cache folder either is
     complete or does not exist, even after a crash or a concurrent start.
@@ -64,6 +66,9 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         logger.info("reading the config and tokenizer of %s into %s (once)", gguf_path, target)
+        if show_progress:
+            print(f"forerun: reading the config and tokenizer of {gguf_path.name} (first start only)",
+                  file=sys.stderr, flush=True)
         from forerun.loader.gguf_convert import describe_gguf
         describe_gguf(gguf_path, scratch)
         try:
@@ -86,14 +91,14 @@ def _check_hf_folder(folder: Path) -> Path:
     return folder
 
 
-def resolve_model(model: str | None) -> Path:
+def resolve_model(model: str | None, show_progress: bool = True) -> Path:
     """A folder with config.json, *.safetensors, tokenizer.json and tokenizer_config.json for `model`."""
     if model is None or model in DEFAULT_MODEL_NAMES:
-        return converted_gguf_dir(default_model_gguf())
+        return converted_gguf_dir(default_model_gguf(), show_progress)
     # An empty string would otherwise name the working directory.
     path = Path(model).expanduser() if model.strip() else None
     if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
-        return converted_gguf_dir(path)
+        return converted_gguf_dir(path, show_progress)
     if path is not None and path.is_dir() and (path / "config.json").is_file():
         return _check_hf_folder(path)
     raise ValueError(
