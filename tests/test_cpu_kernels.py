@@ -125,3 +125,20 @@ def test_damaged_cache_is_measured_again(tmp_path, monkeypatch, damage):
 def test_bad_linear_kernel_names_the_field(tiny_llama_dir):
     with pytest.raises(ValueError, match="linear_kernel"):
         LLM(model=str(tiny_llama_dir), linear_kernel="fastest", show_progress=False)
+
+
+def test_the_probe_times_a_huge_matrix_as_a_narrower_one(monkeypatch):
+    """A 1B model's LM head (2048 x 128k) in every candidate at once would take gigabytes: the probe holds
+    at most PROBE_MAX_ELEMENTS weights of each matrix, and counts it more times to keep the FLOPs."""
+    seen = []
+    real = probe.make_linear
+
+    def spy(w, *args, **kwargs):
+        seen.append(tuple(w.shape))
+        return real(w, *args, **kwargs)
+
+    monkeypatch.setattr(probe, "make_linear", spy)
+    monkeypatch.setattr(probe, "PROBE_MAX_ELEMENTS", 1 << 16)
+    gflops = probe.measure([(256, 4096, 1), (64, 32, 3)], 4, [(torch.float32, "aten")], rounds=1)
+    assert seen == [(256, 256), (32, 64)]  # [n, k]: the wide one cut to 2^16 weights, the small one whole
+    assert gflops["float32/aten"] > 0

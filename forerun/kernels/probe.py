@@ -53,8 +53,11 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
     """Achieved GFLOPS of one decode step's matmuls ((in, out, count) at `batch` rows) per candidate.
 
     Candidates are timed round-robin, each keeping its best round (`best_rounds`), so the ranking
-    survives the noise of a shared machine.
+    survives the noise of a shared machine. A matrix of more than PROBE_MAX_ELEMENTS weights (a large
+    LM head) is timed as a narrower one counted more times: every candidate's weights are held at
+    once, and a 1B model's full set would take gigabytes for a ranking that a slice gives as well.
     """
+    shapes = [_capped(k, n, count) for k, n, count in shapes]
     flops = sum(2.0 * batch * k * n * count for k, n, count in shapes)
     # Its own generator: the probe runs on rank 0 only and only when nothing is cached, so a draw from
     # torch's global RNG would leave rank 0 (and a first start) sampling another stream than the rest.
@@ -73,6 +76,15 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
             prepared.append((f"{DTYPE_NAMES[dtype]}/{kernel}", layers))
         best = best_rounds([layers for _, layers in prepared], rounds)
     return {name: flops / sec / 1e9 for (name, _), sec in zip(prepared, best)}
+
+
+PROBE_MAX_ELEMENTS = 1 << 22
+
+
+def _capped(k: int, n: int, count: float) -> tuple[int, int, float]:
+    """(k, n, count) with n cut so that k * n <= PROBE_MAX_ELEMENTS, count raised to keep the FLOPs."""
+    narrow = max(16, min(n, PROBE_MAX_ELEMENTS // k))
+    return k, narrow, count * n / narrow
 
 
 def best_rounds(candidates: list[list[tuple[LinearFn, torch.Tensor, float]]], rounds: int) -> list[float]:

@@ -217,7 +217,8 @@ class Worker:
                                                                                              choice.linear_kernel]
             rows, speedup = choose_gemv_rows(model_matmul_shapes(self.hf_config, self.tp.size), pair, fmt,
                                              self._decode_batch(), cache_dir() / "cpu_probe.json", key, dtype)
-            logger.info("%s-weight GEMV vs %s %s, speed-up by rows: %s", fmt, choice.dtype, choice.linear_kernel,
+            against = "the block matmul" if self.model.holds_blocks() and not plan.dense_copy else choice.linear_kernel
+            logger.info("%s-weight GEMV vs %s %s, speed-up by rows: %s", fmt, choice.dtype, against,
                         ", ".join(f"{r}: {v:.2f}x" for r, v in sorted(speedup.items())) or "not measured")
         if self.world_size > 1:  # every rank joins, whatever it found locally
             box = [rows]
