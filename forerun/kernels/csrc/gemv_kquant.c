@@ -23,6 +23,9 @@
 #include "gguf_blocks.h"
 
 enum { LANES = 16, MAX_ROWS = 16, GROUP = 4 };
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1024
+#endif
 
 /* 16 lanes added as the fixed tree the top of the file names. */
 static inline float tree16(const float s[16]) {
@@ -94,14 +97,49 @@ for (int v4 = 0; v4 < bw / 16; v4 += 4)
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /* One group of 4 weight rows against RB rows of x (16 lanes = one register). */
 static inline __attribute__((always_inline)) void tile_avx512(int fmt, int RB, const float *const xr[], int64_t k,
-                                                              const uint8_t *const wr[GROUP], float out[][GROUP]) {
+                                                              const uint8_t *const wr[GROUP], float out[][GROUP],
+                                                              int64_t stride) {
     const int bw = block_weights(fmt), bs = block_bytes(fmt);
     __m512 acc[4][GROUP];
     for (int r = 0; r < RB; r++)
         for (int c = 0; c < GROUP; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < k / bw; blk++) {
         float a[GROUP][16], b[GROUP][16];
+        { /* each row's bytes PREFETCH_AHEAD on; past the row's end, the same row of the next group (the
+           * next 4 rows, which this thread takes next under the static schedule; a prefetch never faults) */
+            const int64_t t = blk * bs + PREFETCH_AHEAD, row = k / bw * bs;
+            const int64_t at = t < row ? t : GROUP * stride + t - row;
+            for (int c = 0; c < GROUP; c++)
+                for (int o = 0; o < (bs + 63) / 64; o++) _mm_prefetch((const char *)wr[c] + at + 64 * o, _MM_HINT_T0);
+        }
         for (int c = 0; c < GROUP; c++) block_maps_avx2(fmt, wr[c] + blk * bs, a[c], b[c]);
+#if defined(__AVX512BW__)
+        if (wide_format(fmt)) { /* 4 runs decoded at once (bytes64), run v4 + i from 16-byte lane i */
+            _Pragma("GCC unroll 4") for (int v4 = 0; v4 < bw / 16; v4 += 4) {
+                __m512i q64[GROUP];
+                for (int c = 0; c < GROUP; c++) q64[c] = bytes64(fmt, wr[c] + blk * bs, v4);
+#define WIDE_RUN(i, LANE)                                                                                  \
+    do {                                                                                                   \
+        const int v = v4 + i;                                                                              \
+        __m512 wv[GROUP];                                                                                  \
+        for (int c = 0; c < GROUP; c++)                                                                    \
+            wv[c] = _mm512_fmadd_ps(_mm512_set1_ps(a[c][map_of(fmt, v)]),                                  \
+                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(LANE)),                        \
+                                    _mm512_set1_ps(b[c][map_of(fmt, v)]));                                 \
+        for (int r = 0; r < RB; r++) {                                                                     \
+            const __m512 xv = _mm512_loadu_ps(xr[r] + blk * bw + 16 * v);                                  \
+            for (int c = 0; c < GROUP; c++) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);             \
+        }                                                                                                  \
+    } while (0)
+                WIDE_RUN(0, _mm512_castsi512_si128(q64[c]));
+                WIDE_RUN(1, _mm512_extracti32x4_epi32(q64[c], 1));
+                WIDE_RUN(2, _mm512_extracti32x4_epi32(q64[c], 2));
+                WIDE_RUN(3, _mm512_extracti32x4_epi32(q64[c], 3));
+#undef WIDE_RUN
+            }
+            continue;
+        }
+#endif
 for (int v4 = 0; v4 < bw / 16; v4 += 4)
         for (int v = v4; v < v4 + (bw < 64 ? bw / 16 : 4); v++) { /* 4 runs unrolled */
             __m512 wv[GROUP];
@@ -147,7 +185,7 @@ static void gemv_vector(int isa, int fmt, const float *x, const uint8_t *w, int6
             for (int r = 0; r < 4; r++) xr[r] = x + (r0 + (r < real ? r : real - 1)) * k;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define TILE_ROWS 4
-            if (isa == ISA_AVX512) TILE_FMT(tile_avx512, fmt, rb, xr, k, wr, out);
+            if (isa == ISA_AVX512) TILE_FMT(tile_avx512, fmt, rb, xr, k, wr, out, stride);
 #undef TILE_ROWS
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
