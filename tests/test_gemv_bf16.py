@@ -18,7 +18,7 @@ from forerun.kernels import probe
 from forerun.kernels.build import load_native_library
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemv import CompactGemv
-from forerun.loader.gguf_convert import export_hf_folder
+from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
 from tests.gguf_factory import write_model_gguf
 from tests.test_gguf_convert import _tiny_model
 
@@ -92,14 +92,14 @@ def _outputs(folder: Path, rows: int, caplog) -> list[tuple[list[int], list[dict
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_bf16_engine_reads_blocks_with_the_tokens_of_bf16_without(tmp_path, caplog, fmt, monkeypatch):
-    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+def test_bf16_engine_reads_blocks_with_the_tokens_of_bf16_without(tmp_path, caplog, fmt):
     write_model_gguf(tmp_path / "m.gguf", _tiny_model("llama", True), "llama", gguf.GGMLQuantizationType[fmt])
+    describe_gguf(tmp_path / "m.gguf", tmp_path / "model")
     export_hf_folder(tmp_path / "m.gguf", tmp_path / "hf")
     without = _outputs(tmp_path / "hf", 0, caplog)  # the dense bf16 engine over the de-quantized weights
     assert "read compact weights" not in caplog.text
     caplog.clear()
-    with_gemv = _outputs(tmp_path / "m.gguf", 8, caplog)
+    with_gemv = _outputs(tmp_path / "model", 8, caplog)
     assert "(9 of 9 matmuls have an exact compact form)" in caplog.text, "every matmul reads its blocks"
     for (tokens_a, lps_a), (tokens_b, lps_b) in zip(without, with_gemv):
         assert tokens_a == tokens_b

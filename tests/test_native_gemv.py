@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from forerun import LLM, SamplingParams
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.loader.gguf_convert import export_hf_folder
+from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
 from forerun.kernels.linear import split_by_rows
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemv import CompactGemv
@@ -168,11 +168,11 @@ def test_bf16_checkpoint_tokens_match_fp32(tmp_path, smollm2_dir, caplog):
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1"])
-def test_gguf_model_reads_its_own_blocks_and_matches_fp32(tmp_path, caplog, fmt, monkeypatch):
-    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+def test_gguf_model_reads_its_own_blocks_and_matches_fp32(tmp_path, caplog, fmt):
     write_model_gguf(tmp_path / "m.gguf", _tiny_model("llama", True), "llama", gguf.GGMLQuantizationType[fmt])
+    describe_gguf(tmp_path / "m.gguf", tmp_path / "model")  # what --model m.gguf makes in the cache
     export_hf_folder(tmp_path / "m.gguf", tmp_path / "hf")  # the same weights, de-quantized to fp32
-    outs = _tokens_with_and_without(tmp_path / "m.gguf", caplog, reference=tmp_path / "hf")
+    outs = _tokens_with_and_without(tmp_path / "model", caplog, reference=tmp_path / "hf")
     _assert_same_outputs(outs)
     assert f"the GGUF file's quantized matrices are held as stored ({fmt} mostly)" in caplog.text
     assert "(9 of 9 matmuls have an exact compact form)" in caplog.text
