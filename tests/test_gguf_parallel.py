@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from forerun import LLM, SamplingParams
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.model.layers import RowParallelLinear
+from forerun.model.layers import MergedColumnParallelLinear, RowParallelLinear
 from forerun.model.parallel import TPGroup
 
 PROMPTS = [[5, 77, 140, 3, 9, 200, 31], [100, 101, 102, 250], [42], list(range(60, 90))]
@@ -87,3 +87,19 @@ def test_the_model_holds_blocks_and_no_dense_weight(kquant_gguf: Path) -> None:
         assert model.lm_head.blocks[0] is model.model.embed_tokens.table  # tied: one copy of the table
         dense = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight") or "embed" in n)
         assert dense == 0, "a quantized matrix was expanded"
+
+
+def test_a_packed_layer_with_a_dense_part_expands_its_block_parts() -> None:
+    """q/k/v where one part is a float tensor in the file: the layer is dense, with every part's weights."""
+    layer = MergedColumnParallelLinear(256, [64, 32, 32], False, TPGroup())
+    q, v = CompactWeight.random("Q4_K", 64, 256), CompactWeight.random("Q8_0", 32, 256)
+    k = torch.randn(32, 256)
+    layer.load_weight("weight", q, 0)
+    layer.load_weight("weight", k, 1)
+    layer.load_weight("weight", v, 2)
+    assert layer.blocks is None
+    assert torch.equal(layer.weight, torch.cat([q.expand(), k, v.expand()]))
+    blocks_only = MergedColumnParallelLinear(256, [64, 32], False, TPGroup())
+    blocks_only.load_weight("weight", q, 0)
+    blocks_only.load_weight("weight", v, 1)
+    assert [b.fmt for b in blocks_only.blocks] == ["Q4_K", "Q8_0"] and blocks_only.weight.numel() == 0

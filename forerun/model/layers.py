@@ -195,25 +195,31 @@ class MergedColumnParallelLinear(PackableLinear):
         self.weight = nn.Parameter(torch.empty(total, in_features))
         self.bias = nn.Parameter(torch.empty(total)) if bias else None
         self._parts: dict[int, CompactWeight] = {}  # parts that came as blocks, until all have
+        self._dense_parts: set[int] = set()  # parts that came as dense tensors
 
     def forward(self, x: Tensor) -> Tensor:
         return self.matmul(x)
 
     def load_weight(self, param: str, full: Tensor | CompactWeight, part: int) -> None:
-        """Copy this rank's share of part `part` (e.g. 1 = k of q/k/v) from its full tensor. Blocks stay
-        blocks: the layer holds blocks once every part came as blocks, and the parts that came dense
-        before are re-read from the dense weight in the blocks' place only if all are blocks."""
+        """Copy this rank's share of part `part` (e.g. 1 = k of q/k/v) from its full tensor. The layer
+        holds blocks once every part came as blocks; where some part came dense, the parts that came as
+        blocks are expanded into the dense weight instead."""
         n = self.sizes[part]
         if full.shape[0] != n * self.tp.size:
             raise ValueError(f"{param}: part {part} has {full.shape[0]} rows, expected {n * self.tp.size}")
-        mine = full.narrow_rows(self.tp.rank * n, n) if isinstance(full, CompactWeight) else None
-        if mine is not None and param == "weight":
-            self._parts[part] = mine
-            if len(self._parts) == len(self.sizes):
+        if isinstance(full, CompactWeight):
+            self._parts[part] = full.narrow_rows(self.tp.rank * n, n)
+            if not self._dense_parts and len(self._parts) == len(self.sizes):
                 self.set_blocks(_merge([self._parts[i] for i in range(len(self.sizes))]))
-            return
-        target = getattr(self, param)
-        target.data.narrow(0, self.offsets[part], n).copy_(full.narrow(0, self.tp.rank * n, n))
+        else:
+            target = getattr(self, param)
+            target.data.narrow(0, self.offsets[part], n).copy_(full.narrow(0, self.tp.rank * n, n))
+            if param == "weight":
+                self._dense_parts.add(part)
+        if self._dense_parts:  # a mix: this layer is dense, every part that came as blocks expanded into it
+            for i, blocks in self._parts.items():
+                self.weight.data.narrow(0, self.offsets[i], self.sizes[i]).copy_(blocks.expand())
+            self._parts.clear()
 
 
 class RowParallelLinear(PackableLinear):
