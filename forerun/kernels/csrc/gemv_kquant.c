@@ -58,6 +58,17 @@ static void gemv_scalar(int fmt, const float *x, const uint8_t *w, int64_t strid
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* Each row's bytes PREFETCH_AHEAD on; past the row's end, the same row of the next group (the next 4
+ * rows, which this thread takes next under the static schedule; a prefetch never faults). Without it
+ * the GEMV waits on its first loads of every block. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *const wr[GROUP], int64_t blk, int bs,
+                                                                 int bw, int64_t k, int64_t stride) {
+    const int64_t t = blk * bs + PREFETCH_AHEAD, row = k / bw * bs;
+    const int64_t at = t < row ? t : GROUP * stride + t - row;
+    for (int c = 0; c < GROUP; c++)
+        for (int o = 0; o < (bs + 63) / 64; o++) _mm_prefetch((const char *)wr[c] + at + 64 * o, _MM_HINT_T0);
+}
+
 static inline float tree8_avx(__m256 s8) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -66,13 +77,15 @@ static inline float tree8_avx(__m256 s8) {
 
 /* One group of 4 weight rows against RB rows of x (AVX2: 16 lanes = two registers). */
 static inline __attribute__((always_inline)) void tile_avx2(int fmt, int RB, const float *const xr[], int64_t k,
-                                                            const uint8_t *const wr[GROUP], float out[][GROUP]) {
+                                                            const uint8_t *const wr[GROUP], float out[][GROUP],
+                                                            int64_t stride) {
     const int bw = block_weights(fmt), bs = block_bytes(fmt);
     __m256 acc[4][GROUP][2];
     for (int r = 0; r < RB; r++)
         for (int c = 0; c < GROUP; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < k / bw; blk++) {
         float a[GROUP][16], b[GROUP][16];
+        prefetch_ahead(wr, blk, bs, bw, k, stride);
         for (int c = 0; c < GROUP; c++) block_maps_avx2(fmt, wr[c] + blk * bs, a[c], b[c]);
 for (int v4 = 0; v4 < bw / 16; v4 += 4)
         for (int v = v4; v < v4 + (bw < 64 ? bw / 16 : 4); v++) { /* 4 runs unrolled */
@@ -105,13 +118,7 @@ static inline __attribute__((always_inline)) void tile_avx512(int fmt, int RB, c
         for (int c = 0; c < GROUP; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < k / bw; blk++) {
         float a[GROUP][16], b[GROUP][16];
-        { /* each row's bytes PREFETCH_AHEAD on; past the row's end, the same row of the next group (the
-           * next 4 rows, which this thread takes next under the static schedule; a prefetch never faults) */
-            const int64_t t = blk * bs + PREFETCH_AHEAD, row = k / bw * bs;
-            const int64_t at = t < row ? t : GROUP * stride + t - row;
-            for (int c = 0; c < GROUP; c++)
-                for (int o = 0; o < (bs + 63) / 64; o++) _mm_prefetch((const char *)wr[c] + at + 64 * o, _MM_HINT_T0);
-        }
+        prefetch_ahead(wr, blk, bs, bw, k, stride);
         for (int c = 0; c < GROUP; c++) block_maps_avx2(fmt, wr[c] + blk * bs, a[c], b[c]);
 #if defined(__AVX512BW__)
         if (wide_format(fmt)) { /* 4 runs decoded at once (bytes64), run v4 + i from 16-byte lane i */
@@ -190,7 +197,7 @@ static void gemv_vector(int isa, int fmt, const float *x, const uint8_t *w, int6
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define TILE_ROWS 2
-            if (isa == ISA_AVX2) TILE_FMT(tile_avx2, fmt, rb, xr, k, wr, out);
+            if (isa == ISA_AVX2) TILE_FMT(tile_avx2, fmt, rb, xr, k, wr, out, stride);
 #undef TILE_ROWS
 #endif
             for (int r = 0; r < real; r++)
