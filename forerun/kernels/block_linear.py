@@ -82,7 +82,7 @@ def expanding_linear(blocks: Sequence[CompactWeight], bias: Tensor | None, dtype
     (no C library, or a format no kernel knows). Correct and slow: nothing dense is kept."""
     def run(x: Tensor) -> Tensor:
         with profiled("forerun::linear_expand"):
-            w = torch.cat([b.expand() for b in blocks]).to(dtype)
+            w = CompactWeight.expand_stacked(list(blocks), dtype)
             return F.linear(x, w, bias)
     return run
 

@@ -94,6 +94,11 @@ class CompactWeight:
         return ((q - 8) * d).view(n, -1)
 
     @staticmethod
+    def expand_stacked(parts: list[CompactWeight], dtype: torch.dtype) -> Tensor:
+        """Parts stacked by rows (each in its own format), expanded to one dense weight in `dtype`."""
+        return torch.cat([p.expand() for p in parts]).to(dtype)
+
+    @staticmethod
     def cat(parts: list[CompactWeight]) -> CompactWeight | None:
         """Parts stacked by rows (q/k/v or gate/up packed into one matmul); None if they differ in form."""
         if len({(p.fmt, p.k) for p in parts}) != 1:

@@ -117,7 +117,7 @@ class LinearPlan:
         """The matmul x -> x W^T + b of a weight held as GGUF blocks (one entry per part in its own
         format, rows in order), in `dtype`; `small` is set where one GEMV reads the whole weight."""
         if self.dense_copy:
-            weight = torch.cat([b.expand() for b in blocks]).to(dtype)
+            weight = CompactWeight.expand_stacked(list(blocks), dtype)
             large = make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         else:
             large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)

@@ -132,7 +132,7 @@ class PackableLinear(nn.Module):
         if self.blocks is None:
             return self.weight.detach()
         dtype = self.weight.dtype
-        return torch.cat([b.expand() for b in self.blocks]).to(dtype)
+        return CompactWeight.expand_stacked(self.blocks, dtype)
 
     def use_kernel(self, plan: LinearPlan, with_bias: bool = True, keep_weight: bool = True,
                    fp32_out: bool = False) -> bool:
