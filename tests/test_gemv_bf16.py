@@ -113,20 +113,35 @@ def test_bf16_engine_reads_blocks_with_the_tokens_of_bf16_without(tmp_path, capl
 DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
+def _agree_up_to_near_ties(a, b, tol: float) -> int:
+    """Positions compared, after asserting that two greedy runs over the same weights in different
+    bf16 roundings agree: logprobs within `tol` while their contexts are equal, and where the tokens
+    part, the two choices within `tol` of each other in both runs (a near tie that rounding may flip);
+    a run's later tokens then follow another context and are not compared."""
+    compared = 0
+    for out_a, out_b in zip(a, b):
+        for ta, tb, la, lb in zip(out_a.token_ids, out_b.token_ids, out_a.logprobs, out_b.logprobs):
+            worst = max(abs(la[t] - lb[t]) for t in la.keys() & lb.keys())
+            assert worst <= tol, f"logprobs differ by {worst:.2e}"
+            compared += 1
+            if ta != tb:
+                assert {ta, tb} <= la.keys() and {ta, tb} <= lb.keys(), "the tokens parted on a non-top-2 choice"
+                assert abs(la[ta] - la[tb]) <= tol and abs(lb[ta] - lb[tb]) <= tol, "parted where no tie was near"
+                break
+    return compared
+
+
 def test_default_model_bf16_greedy_tokens_equal_with_and_without_the_gemv(smollm2_dir, caplog):
     """The real default model (SmolLM2 from its Q4_1 GGUF): the bf16 engine reading the blocks at one
-    row (GEMV and the fused step) gives the greedy tokens of the bf16 engine on its dense weights."""
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    row (GEMV and the fused step) gives the greedy tokens of the bf16 engine on its block matmul, up
+    to near ties that the two roundings may flip."""
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
     outs = {}
     for rows in (0, 1):
         with caplog.at_level(logging.INFO):
             with LLM(model=str(smollm2_dir), dtype="bfloat16", gemv_max_rows=rows, show_progress=False) as llm:
                 assert (llm.engine.core.executor.worker.model.decode_layers is None) == (rows == 0)
                 outs[rows] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in DEFAULT_PROMPTS]
-    for a, b in zip(outs[0], outs[1]):
-        assert list(a.token_ids) == list(b.token_ids)
-        for la, lb in zip(a.logprobs, b.logprobs):
-            worst = max(abs(la[t] - lb[t]) for t in la.keys() & lb.keys())
-            # 30 layers over weights that differ by bf16 rounding (the dense path's) from the blocks'
-            # (the GEMV's): measured up to 0.15 here, so the tiny models' bound doubled.
-            assert worst <= 2 * BF16_LOGPROB_TOL, f"logprobs differ by {worst:.2e}"
+    # 30 layers over weights that differ by bf16 rounding (the block matmul's) from the blocks' exact
+    # values (the GEMV's): measured up to 0.15 here, so the tiny models' bound doubled.
+    assert _agree_up_to_near_ties(outs[0], outs[1], 2 * BF16_LOGPROB_TOL) >= 3 * 8

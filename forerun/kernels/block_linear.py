@@ -50,7 +50,31 @@ class KQuantLinear:
         return y
 
 
-Small = CompactLinear | KQuantLinear
+@dataclass(frozen=True)
+class JoinedGemv:
+    """x -> x W^T + b for a weight packed from parts in different formats (q/k/v or gate/up of a
+    K-quant mix), each part on its own block GEMV and the outputs side by side; the fused decode
+    step (forerun.kernels.decode) runs the parts into one output buffer the same way."""
+
+    parts: tuple[KQuantLinear, ...]  # without bias; each part's rows in order
+    bias: Tensor | None  # fp32, contiguous, over all parts' outputs
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+Small = CompactLinear | KQuantLinear | JoinedGemv
 
 
 def small_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from forerun.kernels.attention import shape_supported
 from forerun.kernels.build import profiled
-from forerun.kernels.block_linear import KQuantLinear, Small
+from forerun.kernels.block_linear import JoinedGemv, Small
 from forerun.kernels.gemv import CompactLinear
 from forerun.kernels.ops import PARALLEL_MIN_ELEMENTS
 from forerun.kernels.types import DecodeBatch
@@ -64,8 +64,12 @@ class DecodeDims:
     scale: float
 
 
+MAX_PARTS = 3  # decode_layers.c: parts of one packed matmul in their own formats (q, k, v)
+
+
 class _Matmul(ctypes.Structure):
-    _fields_ = [("w", _PTR), ("group_bytes", _I64), ("fmt", _I64), ("bias", _PTR)]
+    _fields_ = [("parts", _I64), ("w", _PTR * MAX_PARTS), ("group_bytes", _I64 * MAX_PARTS),
+                ("fmt", _I64 * MAX_PARTS), ("n", _I64 * MAX_PARTS), ("bias", _PTR)]
 
 
 class _Layer(ctypes.Structure):
@@ -89,11 +93,19 @@ BLOCK_FMT = 256  # decode_layers.c: a format code at or above it names the block
 
 def _matmul(lin: Small) -> _Matmul:
     bias = None if lin.bias is None else lin.bias.data_ptr()
-    if isinstance(lin, KQuantLinear):
-        blocks = lin.gemv.blocks
-        return _Matmul(blocks.data_ptr(), blocks.shape[1], BLOCK_FMT + lin.gemv.code, bias)
-    assert isinstance(lin, CompactLinear)
-    return _Matmul(lin.packed.data_ptr(), lin.packed.shape[1], lin.code, bias)
+    m = _Matmul(parts=1, bias=bias)
+    if isinstance(lin, CompactLinear):
+        m.w[0], m.group_bytes[0], m.fmt[0], m.n[0] = lin.packed.data_ptr(), lin.packed.shape[1], lin.code, lin.n
+        return m
+    parts = lin.parts if isinstance(lin, JoinedGemv) else (lin,)
+    if len(parts) > MAX_PARTS:
+        raise ValueError(f"parts: the fused decode step takes at most {MAX_PARTS} parts a matmul, got {len(parts)}")
+    m.parts = len(parts)
+    for i, part in enumerate(parts):
+        blocks = part.gemv.blocks
+        m.w[i], m.group_bytes[i], m.fmt[i], m.n[i] = (blocks.data_ptr(), blocks.shape[1], BLOCK_FMT + part.gemv.code,
+                                                      part.n)
+    return m
 
 
 class DecodeLayers:

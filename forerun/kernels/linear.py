@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from forerun.kernels.block_linear import Small, joined, large_block_linear, small_block_linear
+from forerun.kernels.block_linear import JoinedGemv, Small, joined, large_block_linear, small_block_linear
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
@@ -131,5 +131,6 @@ class LinearPlan:
         smalls = [small_block_linear(self.lib, b, None, fp32_out) for b in blocks]
         if any(s is None for s in smalls):
             return BuiltLinear(large, None, reads_dense=False)
-        # Parts in several formats: no single GEMV for the fused decode step (`small` None).
-        return BuiltLinear(split_by_rows(joined(smalls, bias), large, self.gemv_rows), None, reads_dense=False)
+        small_parts = JoinedGemv(tuple(s for s in smalls if s is not None),
+                                 None if bias is None else bias.detach().float().contiguous())
+        return BuiltLinear(split_by_rows(small_parts, large, self.gemv_rows), small_parts, reads_dense=False)

@@ -24,8 +24,8 @@
 
 void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int fmt, const float *b, float *y,
                       int64_t rows, int64_t k, int64_t n, int nthreads);
-int gemv_kquant_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows, int64_t k,
-                    int64_t n, int isa, int nthreads);
+int gemv_kquant_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
+                            int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *res_out,
                       int64_t rows, int64_t hidden, float eps, int nthreads);
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter, int nthreads);
@@ -42,12 +42,16 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *c
 
 /* One matmul: on the compact-weight GEMV (the packed weight, its format and group size), or, where
  * fmt >= BLOCK_FMT, on the block GEMV over a GGUF file's rows of blocks as stored (w the rows,
- * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type); bias or NULL. */
-enum { BLOCK_FMT = 256 };
+ * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type). A weight packed from parts in
+ * different formats (q/k/v or gate/up of a K-quant mix) has one entry per part, each writing its n
+ * columns of the output beside the previous part's. bias or NULL. */
+enum { BLOCK_FMT = 256, MAX_PARTS = 3 };
 typedef struct {
-    const uint8_t *w;
-    int64_t group_bytes;
-    int64_t fmt;
+    int64_t parts;
+    const uint8_t *w[MAX_PARTS];
+    int64_t group_bytes[MAX_PARTS];
+    int64_t fmt[MAX_PARTS];
+    int64_t n[MAX_PARTS];
     const float *bias;
 } matmul_t;
 
@@ -90,12 +94,14 @@ static inline uint16_t to_bf16(float v) { /* round to nearest even, as torch's .
 }
 
 static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, int64_t k, int64_t n, int nthreads) {
-    if (m->fmt < BLOCK_FMT) {
-        gemv_compact_f32(x, m->w, m->group_bytes, (int)m->fmt, m->bias, y, rows, k, n, nthreads);
+    if (m->fmt[0] < BLOCK_FMT) { /* one part */
+        gemv_compact_f32(x, m->w[0], m->group_bytes[0], (int)m->fmt[0], m->bias, y, rows, k, n, nthreads);
         return;
     }
-    /* The format and shape were checked when the Python side built this matmul. */
-    gemv_kquant_f32(x, m->w, m->group_bytes, (int)(m->fmt - BLOCK_FMT), y, rows, k, n, 0, nthreads);
+    /* The formats, shapes and part widths (summing to n) were checked when the Python side built it. */
+    for (int64_t p = 0, col = 0; p < m->parts; col += m->n[p], p++)
+        gemv_kquant_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - BLOCK_FMT), y + col, n, rows, k,
+                                m->n[p], 0, nthreads);
     if (m->bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < n; j++) y[r * n + j] += m->bias[j];

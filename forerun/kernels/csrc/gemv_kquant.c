@@ -16,7 +16,8 @@
  * in one register, the AVX2 path in two, the scalar path in an array, and all of them use fused
  * multiply-adds only where this order names one, so their results are bit-equal.
  *
- * x [rows, k] fp32; w [n, row_stride] bytes (each row k / block weights blocks); y [rows, n] fp32.
+ * x [rows, k] fp32; w [n, row_stride] bytes (each row k / block weights blocks); y [rows, n] fp32, rows
+ * ldy apart (ldy > n: one part of a wider output, as the fused decode step's q/k/v in several formats).
  * Weight rows are split over the caller's OpenMP threads in groups of 4; within a group, rows of x
  * are taken 4 (AVX2: 2) at a time over the whole row, so the group's bytes are re-read from cache.
  */
@@ -36,8 +37,8 @@ static inline float tree16(const float s[16]) {
 }
 
 /* Portable path: one weight row at a time against up to MAX_ROWS rows of x. */
-static void gemv_scalar(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t rows,
-                        int64_t k, int64_t n, int nthreads) {
+static void gemv_scalar(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+                        int64_t rows, int64_t k, int64_t n, int nthreads) {
     const int bw = block_weights(fmt), bs = block_bytes(fmt);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
@@ -53,7 +54,7 @@ static void gemv_scalar(int fmt, const float *x, const uint8_t *w, int64_t strid
                 }
             }
         }
-        for (int64_t r = 0; r < rows; r++) y[r * n + j] = tree16(acc[r]);
+        for (int64_t r = 0; r < rows; r++) y[r * ldy + j] = tree16(acc[r]);
     }
 }
 
@@ -178,7 +179,7 @@ for (int v4 = 0; v4 < bw / 16; v4 += 4)
  * TILE_ROWS (4; AVX2: 2) where a short tile repeats its last row: a repeated row costs one fma a
  * weight, expanding the weights again would cost several. */
 static void gemv_vector(int isa, int fmt, const float *x, const uint8_t *w, int64_t stride, float *y,
-                        int64_t rows, int64_t k, int64_t n, int nthreads) {
+                        int64_t ldy, int64_t rows, int64_t k, int64_t n, int nthreads) {
     const int64_t groups = (n + GROUP - 1) / GROUP;
     const int most = isa == ISA_AVX512 ? 4 : 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -201,7 +202,7 @@ static void gemv_vector(int isa, int fmt, const float *x, const uint8_t *w, int6
 #undef TILE_ROWS
 #endif
             for (int r = 0; r < real; r++)
-                for (int c = 0; c < GROUP && GROUP * g + c < n; c++) y[(r0 + r) * n + GROUP * g + c] = out[r][c];
+                for (int c = 0; c < GROUP && GROUP * g + c < n; c++) y[(r0 + r) * ldy + GROUP * g + c] = out[r][c];
             r0 += real;
         }
     }
@@ -219,19 +220,25 @@ int gemv_kquant_isas_f32(void) {
     return isas;
 }
 
-/* y [rows, n] = x [rows, k] W^T. `isa`: ISA_BEST or one path. Returns 0, -1 for a format this file
- * lacks or a k / stride that does not fit it, -2 for a path not built. */
-int gemv_kquant_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows,
-                    int64_t k, int64_t n, int isa, int nthreads) {
+/* y [rows, n] (rows ldy apart) = x [rows, k] W^T. `isa`: ISA_BEST or one path. Returns 0, -1 for a
+ * format this file lacks or a k / stride / ldy that does not fit it, -2 for a path not built. */
+int gemv_kquant_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
+                            int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
     const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0) return -1;
+    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0 || ldy < n) return -1;
     const int isas = gemv_kquant_isas_f32();
     if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
     if (isa < ISA_SCALAR || isa > ISA_AVX512 || !(isas & (1 << isa))) return -2;
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) { /* the scalar path's accumulators hold MAX_ROWS */
         const int64_t mr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
-        if (isa == ISA_SCALAR) gemv_scalar(fmt, x + r0 * k, w, stride, y + r0 * n, mr, k, n, nthreads);
-        else gemv_vector(isa, fmt, x + r0 * k, w, stride, y + r0 * n, mr, k, n, nthreads);
+        if (isa == ISA_SCALAR) gemv_scalar(fmt, x + r0 * k, w, stride, y + r0 * ldy, ldy, mr, k, n, nthreads);
+        else gemv_vector(isa, fmt, x + r0 * k, w, stride, y + r0 * ldy, ldy, mr, k, n, nthreads);
     }
     return 0;
+}
+
+/* y [rows, n] = x [rows, k] W^T, y contiguous (gemv_kquant_strided_f32 with ldy = n). */
+int gemv_kquant_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows,
+                    int64_t k, int64_t n, int isa, int nthreads) {
+    return gemv_kquant_strided_f32(x, w, stride, fmt, y, n, rows, k, n, isa, nthreads);
 }
