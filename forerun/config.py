@@ -115,6 +115,10 @@ class EngineConfig:
     native_kernels: bool | None = None  # forerun's C kernels on CPU (attention, fused ops); None: when they build
     gemv_max_rows: int | None = None  # fp32 matmuls of up to this many rows read compact weights; None: measured
     enforce_eager: bool = False  # True: small decode steps run layer by layer in Python, not in one C call
+    # True (CPU): every row's result is computed in an order that does not depend on the rest of the
+    # batch, on chunking or on prefix-cache hits (fp32, one matmul kernel for every row count, attention
+    # of every token on one C kernel); docs/batch-invariance.md says what it costs.
+    batch_invariant: bool = False
     # GGUF quantized matrices: False keeps only the file's blocks; True adds a dense copy in the engine's
     # dtype for batched steps (more memory, faster where the block matmul is slower).
     dense_weights: bool = False
@@ -156,6 +160,11 @@ class EngineConfig:
             raise ValueError(f"dense_weights: expected a bool, got {self.dense_weights!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant: expected a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.linear_kernel not in ("auto", "native"):
+            raise ValueError(f"batch_invariant: runs every matmul on forerun's own kernel; linear_kernel "
+                             f"{self.linear_kernel!r} is batch-variant (use auto or native)")
         if self.gemv_max_rows is not None and (not isinstance(self.gemv_max_rows, int)
                                                or isinstance(self.gemv_max_rows, bool) or self.gemv_max_rows < 0):
             raise ValueError(f"gemv_max_rows: expected a non-negative integer or None, got {self.gemv_max_rows!r}")

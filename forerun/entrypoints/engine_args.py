@@ -14,6 +14,7 @@ _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
            "async_scheduling", "seed", "tensor_parallel_size", "pipeline_parallel_size",
            "distributed_executor_backend", "runner",
            "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "enforce_eager",
+           "batch_invariant",
            "dense_weights", "speculative_config")
 
 
@@ -116,6 +117,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run every decode step layer by layer from Python; otherwise a CPU decode step of at "
                         "most --gemv-max-rows rows runs all layers in one C call, with the same results "
                         f"(default: {_on_off(d.enforce_eager)})")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: a request's tokens and logprobs do not depend on what else runs with it, on "
+                        "chunked prefill or on prefix-cache hits (fp32; slower, see docs/batch-invariance.md) "
+                        f"(default: {_on_off(d.batch_invariant)})")
     return parser
 
 

@@ -46,9 +46,11 @@ class DecodeAttention:
                 and kv_cache.is_contiguous() and shape_supported(heads, kv_heads, dim)
                 and q.stride(2) == 1 and q.stride(1) == dim)
 
-    def __call__(self, q: Tensor, kv_cache: Tensor, meta: DecodeBatch, scale: float, window: int | None) -> Tensor:
+    def __call__(self, q: Tensor, kv_cache: Tensor, meta: DecodeBatch, scale: float, window: int | None,
+                 split: bool = True) -> Tensor:
         """Decode rows q [rows, heads, dim] attended over the paged `kv_cache` -> [rows, heads * dim];
-        only for inputs `accepts` takes."""
+        only for inputs `accepts` takes. `split` False: each row's context is summed in one part, so
+        its result does not depend on the other rows or the thread count (batch-invariant mode)."""
         rows, heads, dim = q.shape
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
         kernel = self.kernels[q.dtype]
@@ -58,7 +60,7 @@ class DecodeAttention:
             failed = kernel(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), meta.decode_blocks.data_ptr(),
                             meta.decode_len // block_size, meta.decode_seq_lens.data_ptr(), out.data_ptr(),
                             rows, heads, kv_heads, dim, num_blocks, block_size, window or 0, scale,
-                            torch.get_num_threads(), meta.decode_len)
+                            torch.get_num_threads(), meta.decode_len, int(split))
         if failed:
             raise RuntimeError(f"decode attention: the C kernel failed (code {failed})")
         return out

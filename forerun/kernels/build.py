@@ -34,7 +34,7 @@ _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_
 # name -> (restype, argtypes), for both the _f32 and _bf16 variant of each kernel.
 SIGNATURES = {
     "decode_attention": (_INT, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
-                                _I64, _F32, _INT, _I64]),
+                                _I64, _F32, _INT, _I64, _INT]),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "decode_layers": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]),  # the KV cache's dtype

@@ -104,6 +104,21 @@ class AttentionMetadata:
                    starts[-1], all_decode, decode_token_idx, decode_blocks, decode_seq_lens,
                    decode_len, prefills)
 
+    def token_rows(self) -> "TokenRows":
+        """Every token of the step as a decode row of its own (its context: its sequence's positions up
+        to and including its own), for attention that treats prefill and decode tokens alike."""
+        key = ("token_rows",)
+        if key not in self._memo:
+            device = self.block_tables.device
+            per_row = -(-max(self.seq_lens) // self.block_size)
+            counts = torch.tensor(self.query_lens, device=device)
+            tables = self.block_tables[:, :per_row].clamp(min=0).long()
+            lens = torch.tensor([p for q, s in zip(self.query_lens, self.seq_lens) for p in range(s - q + 1, s + 1)],
+                                dtype=torch.int64, device=device)
+            blocks = tables.repeat_interleave(counts, dim=0).contiguous().view(-1)
+            self._memo[key] = TokenRows(self.slot_mapping, blocks, lens, per_row * self.block_size)
+        return self._memo[key]
+
     def decode_kv_index(self, num_blocks: int) -> Tensor:
         """Rows of the cache viewed as [2 * num_blocks, block_size * kv_heads * dim] holding the decode
         rows' K blocks then V blocks: one dim-0 index_select (the fastest gather) fetches both."""
@@ -157,6 +172,18 @@ class AttentionMetadata:
         if window is not None:
             allowed &= kpos > qpos - window
         return _additive(allowed, dtype)
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Every token of a step as a decode row (forerun.kernels.types.DecodeBatch): `decode_blocks` holds
+    `decode_len // block_size` block ids per token, `decode_seq_lens` each token's context length."""
+
+    slot_mapping: Tensor
+    decode_blocks: Tensor
+    decode_seq_lens: Tensor
+    decode_len: int
+    all_decode: bool = True
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -245,11 +272,29 @@ class TorchSDPABackend:
 
 class NativeDecodeBackend(TorchSDPABackend):
     """Stock-PyTorch attention for prefill rows; decode rows go to the C kernel when it can run them
-    (see `DecodeAttention.accepts`); anything else falls back to the stock path."""
+    (see `DecodeAttention.accepts`); anything else falls back to the stock path.
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    `batch_invariant`: every token, prefill and decode alike, is one row of the C kernel with its
+    context unsplit, so a token's result depends on its own sequence only: not on the other rows, on
+    how its prompt was chunked, or on whether its prefix came from the cache. The caller checks that
+    the kernel takes the model's shape (`forerun.kernels.attention.shape_supported`)."""
+
+    def __init__(self, lib: ctypes.CDLL, batch_invariant: bool = False) -> None:
         self.lib = lib
         self.attention = DecodeAttention(lib)
+        self.batch_invariant = batch_invariant
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                scale: float, window: int | None) -> Tensor:
+        if not self.batch_invariant:
+            return super().forward(q, k, v, kv_cache, meta, scale, window)
+        if not self.attention.accepts(q, kv_cache):
+            raise ValueError(f"batch_invariant: the C attention kernel does not take q {q.dtype} "
+                             f"{tuple(q.shape)} over a {kv_cache.dtype} cache")
+        flat = kv_cache.view(2, -1, k.shape[1], k.shape[2])
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+        return self.attention(q, kv_cache, meta.token_rows(), scale, window, split=False)
 
     def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
                 window: int | None) -> Tensor:

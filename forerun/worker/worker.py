@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from forerun.kernels.attention import shape_supported
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
@@ -127,18 +128,21 @@ class Worker:
             lib = self._native_library()
             if lib is not None:
                 self.gemm = PackedGemm(lib)
-            self.kernel_choice = choice = self._choose_kernels()
+            invariant = config.batch_invariant
+            if invariant:
+                self._check_batch_invariant(lib)
+            self.kernel_choice = choice = self._invariant_kernels() if invariant else self._choose_kernels()
             self.dtype = choice.torch_dtype
-            gemv = None if lib is None else CompactGemv(lib)
+            gemv = None if lib is None or invariant else CompactGemv(lib)
             # GGUF blocks are read by the C kernels only; elsewhere (CUDA, no compiler) they are expanded.
             self.model = load_model(self.folder, self.dtype, self.device, self.tp,
-                                    None if lib is None else NativeDecodeBackend(lib), self.stage, self.pp_size,
-                                    keep_blocks=lib is not None)
+                                    None if lib is None else NativeDecodeBackend(lib, invariant), self.stage,
+                                    self.pp_size, keep_blocks=lib is not None)
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
             plan = LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, 0, self.gemm, lib,
                               config.dense_weights)
-            gemv_rows = self._choose_gemv_rows(choice, plan)
+            gemv_rows = 0 if invariant else self._choose_gemv_rows(choice, plan)
             if choice.linear_kernel != "aten" or gemv_rows or self.model.holds_blocks():
                 on_gemv, total = self.model.use_linear_kernel(dataclasses.replace(plan, gemv_rows=gemv_rows))
                 if gemv_rows and self.rank == 0:
@@ -171,6 +175,26 @@ class Worker:
         if lib is None and want:
             raise ValueError("native_kernels: the C kernels could not be built (see the log)")
         return lib
+
+    def _check_batch_invariant(self, lib: ctypes.CDLL | None) -> None:
+        """Raise ValueError naming the field where batch-invariant mode cannot run."""
+        if self.device.type != "cpu":
+            raise ValueError("batch_invariant: CPU only; on CUDA forerun runs stock (batch-variant) kernels")
+        if lib is None:
+            raise ValueError("batch_invariant: needs forerun's C kernels (native_kernels on, a C compiler)")
+        fixed = parse_dtype(self.config.dtype, self.device)
+        if fixed not in (None, torch.float32):
+            raise ValueError(f"batch_invariant: runs in float32 (its matmul kernels are fp32), not {self.config.dtype}")
+        c = self.hf_config
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        if not shape_supported(heads, c.get("num_key_value_heads", heads), head_dim):
+            raise ValueError(f"batch_invariant: the C attention kernel does not take {heads} heads of {head_dim}")
+
+    def _invariant_kernels(self) -> KernelChoice:
+        """Batch-invariant mode's fixed choice: fp32 on forerun's packed GEMM, whose sum over k for each
+        output runs in order whatever the number of rows (GGUF blocks: the fp32 block matmul, the same)."""
+        return KernelChoice(DTYPE_NAMES[torch.float32], "native", {})
 
     def _decode_batch(self) -> int:
         """The batch size the matmul choice is tuned for: a full decode step, capped where GEMMs saturate."""

@@ -15,6 +15,9 @@
  * with fewer of those than two per thread, an item is also one part of the context (flash-decoding's
  * split), and each query head's parts are merged by rescaling their sums to the largest max score:
  * one request of 1,000 tokens with 3 KV heads on 2 threads went from 202-219 to 178-188 us a layer.
+ * `split` 0 turns the split off, so that a row's result does not depend on how many rows and threads
+ * share the call (batch-invariant mode): each row then sums its context in position order, whatever
+ * the batch, and a prefill token given as a row equals the same token decoded.
  *
  * GCC vector extensions (8 floats) keep it portable: -march=native lowers them to AVX2/AVX-512 on
  * x86 and NEON on ARM. The group size (query heads per KV head) is a compile-time constant in the
@@ -154,7 +157,7 @@
     int decode_attention_##SUFFIX(const T *q, int64_t q_stride, const T *cache, const int64_t *tables,      \
                                   int64_t table_stride, const int64_t *lens, T *out, int64_t B, int64_t H,  \
                                   int64_t KVH, int64_t D, int64_t NB, int64_t BS, int64_t window,         \
-                                  float scale, int nthreads, int64_t max_len) {                            \
+                                  float scale, int nthreads, int64_t max_len, int split) {                 \
         const int64_t G = H / KVH;                                                                       \
         if (G > MAX_GROUP || H > MAX_HEADS || D % 8) return 2;                                           \
         const T *K = cache;                                                                              \
@@ -163,7 +166,7 @@
         /* Fewer (sequence, KV head) items than two per thread (one request decoding): each item's      \
          * context is also split into parts of at least MIN_PART positions, merged at the end. */       \
         int64_t parts = 1;                                                                               \
-        if (!whole && B * KVH < 2 * (int64_t)nthreads) {                                                 \
+        if (split && !whole && B * KVH < 2 * (int64_t)nthreads) {                                        \
             parts = (2 * (int64_t)nthreads + B * KVH - 1) / (B * KVH);                                   \
             parts = parts < max_len / MIN_PART ? parts : max_len / MIN_PART;                             \
             parts = parts < MAX_PARTS ? (parts > 1 ? parts : 1) : MAX_PARTS;                             \

@@ -34,11 +34,11 @@ void rotary_f32(const float *x, int64_t x_stride, const float *cos, const float 
 int decode_attention_f32(const float *q, int64_t q_stride, const float *cache, const int64_t *tables,
                          int64_t table_stride, const int64_t *lens, float *out, int64_t B, int64_t H, int64_t KVH,
                          int64_t D, int64_t NB, int64_t BS, int64_t window, float scale, int nthreads,
-                         int64_t max_len);
+                         int64_t max_len, int split);
 int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache, const int64_t *tables,
                           int64_t table_stride, const int64_t *lens, uint16_t *out, int64_t B, int64_t H,
                           int64_t KVH, int64_t D, int64_t NB, int64_t BS, int64_t window, float scale, int nthreads,
-                          int64_t max_len);
+                          int64_t max_len, int split);
 
 /* One matmul: on the compact-weight GEMV (the packed weight, its format and group size), or, where
  * fmt >= BLOCK_FMT, on the block GEMV over a GGUF file's rows of blocks as stored (w the rows,
@@ -118,7 +118,7 @@ static int attend_f32(const layer_t *L, const shape_t *s, const batch_t *b, cons
         memcpy(V + b->slots[r] * KVH * D, qkv + r * qkv_w + qk_w, sizeof(float) * (size_t)(KVH * D));
     }
     return decode_attention_f32(qk, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, att, R, H, KVH, D,
-                                s->num_blocks, s->block_size, L->window, s->scale, nthreads, b->max_len);
+                                s->num_blocks, s->block_size, L->window, s->scale, nthreads, b->max_len, 1);
 }
 
 /* As attend_f32 over a bf16 cache: K, V and q round to bf16 (`qb`, `ab`: [rows, (H + KVH) * D] and
@@ -135,7 +135,7 @@ static int attend_bf16(const layer_t *L, const shape_t *s, const batch_t *b, con
     }
     const int failed = decode_attention_bf16(qb, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, ab, R, H,
                                              KVH, D, s->num_blocks, s->block_size, L->window, s->scale, nthreads,
-                                             b->max_len);
+                                             b->max_len, 1);
     for (int64_t i = 0; i < R * H * D; i++) {
         const uint32_t u = (uint32_t)ab[i] << 16;
         memcpy(&att[i], &u, sizeof u);
