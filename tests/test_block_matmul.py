@@ -16,7 +16,7 @@ import ctypes
 import pytest
 import torch
 
-from forerun.kernels.block_matmul import ISAS, MODE_BF16, MODE_F32, BlockMatmul, available_isas
+from forerun.kernels.block_matmul import ISAS, MODE_BF16, MODE_F32, BlockMatmul, OrderedGemv, available_isas
 from forerun.kernels.build import load_native_library
 from forerun.kernels.kquant_gemv import FORMATS
 from test_kquant_gemv import _blocks, _reference
@@ -240,3 +240,19 @@ def test_refusals(lib):
     assert lib.gemm_blocks_f32(x.data_ptr(), 0, blocks.data_ptr(), 100, code, y.data_ptr(), 1, 256, 4, 0, 1) == -1
     assert lib.gemm_blocks_f32(x.data_ptr(), 0, blocks.data_ptr(), 210, code, y.data_ptr(), 1, 256, 4, 2, 1) == -2
     assert lib.gemm_blocks_f32(x.data_ptr(), 3, blocks.data_ptr(), 210, code, y.data_ptr(), 1, 256, 4, 0, 1) == -1
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_ordered_gemv_equals_the_fp32_block_matmul_bit_for_bit(lib, fmt, isa):
+    # Batch-invariant mode runs this GEMV at few rows and the block matmul above: the same chain.
+    if isa not in [name for name, code in ISAS.items() if code and lib.gemv_ordered_isas_f32() & (1 << code)]:
+        pytest.skip(f"no {isa} path on this CPU")  # the AVX-512 path exists on AVX-512 machines only
+    k, n = _k(fmt), 37  # n: two whole groups of 16 weight rows and a part of one
+    blocks = torch.from_numpy(_blocks(fmt, n, k, seed=4, zeros=True))
+    x = _x(6, k, torch.float32)
+    whole = _fp32_out(lib, blocks, fmt, x)
+    gemv = OrderedGemv(lib, blocks, fmt, k, isa)
+    for rows in (1, 2, 5, 6):
+        assert torch.equal(gemv(x[:rows]), whole[:rows]), f"{rows} rows"
+    assert torch.equal(gemv(x[3:4]), whole[3:4])

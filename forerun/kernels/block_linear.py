@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from forerun.kernels.block_matmul import BlockMatmul, available_isas
+from forerun.kernels.block_matmul import BlockMatmul, OrderedGemv, available_isas
 from forerun.kernels.build import profiled
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemv import CompactLinear
-from forerun.kernels.kquant_gemv import KQuantGemv
+from forerun.kernels.kquant_gemv import KQuantGemv, supports
 from forerun.kernels.types import LinearFn
 
 
@@ -99,6 +99,14 @@ def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: to
     if dtype == torch.bfloat16 and "avx512" not in available_isas(lib, torch.bfloat16):
         return lambda x: mm(x.float()) if fp32_out else mm(x.float()).to(x.dtype)
     return lambda x: mm(x, fp32_out)
+
+
+def ordered_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight) -> LinearFn:
+    """The GEMV for few fp32 rows over `weight`'s blocks that sums in the fp32 block matmul's order
+    (forerun.kernels.block_matmul.OrderedGemv); where it cannot run, the block matmul itself."""
+    if lib is None or not hasattr(lib, "gemv_ordered_f32") or not supports(weight.fmt, weight.k):
+        return large_block_linear(lib, weight, torch.float32)
+    return OrderedGemv(lib, weight.data, weight.fmt, weight.k)
 
 
 def expanding_linear(blocks: Sequence[CompactWeight], bias: Tensor | None, dtype: torch.dtype) -> LinearFn:

@@ -88,3 +88,36 @@ class BlockMatmul:
         if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
             raise RuntimeError(f"gemm_blocks_f32 refused {self.fmt} k={self.k} (code {rc})")
         return y.view(*lead, self.n)
+
+
+class OrderedGemv:
+    """x -> x W^T for a few fp32 rows over W's GGUF blocks (`csrc/gemv_ordered.c`), summed in the fp32
+    `BlockMatmul`'s order: the same results bit for bit, at the cost of a GEMV rather than a batched
+    matmul. Batch-invariant mode runs it below a few rows and the block matmul above, so a row's result
+    is the same at every row count. Same invariants and errors as `BlockMatmul`; fp32 only."""
+
+    def __init__(self, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int, isa: str = "auto") -> None:
+        if lib is None or not hasattr(lib, "gemv_ordered_f32"):
+            raise RuntimeError("the C kernels are not built (forerun.kernels.build): use the stock PyTorch path")
+        check_blocks(blocks, fmt, k)
+        built = [name for name, code in ISAS.items() if code and lib.gemv_ordered_isas_f32() & (1 << code)]
+        if isa != "auto" and isa not in built:
+            raise ValueError(f"isa: {isa!r} is not one of the paths built for this CPU: {built}")
+        self.fn = lib.gemv_ordered_f32
+        self.blocks = blocks.contiguous()
+        self.fmt, self.k, self.n = fmt, k, blocks.shape[0]
+        self.code, self.isa = FORMATS[fmt].code, isa
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [..., k] fp32 -> [..., n] fp32."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.k:
+            raise ValueError(f"x: expected float32 [..., {self.k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.k).contiguous()
+        y = torch.empty(flat.shape[0], self.n, dtype=torch.float32)
+        with profiled("forerun::linear_ordered"):
+            rc = self.fn(flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code, y.data_ptr(),
+                         flat.shape[0], self.k, self.n, ISAS[self.isa], torch.get_num_threads())
+        if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
+            raise RuntimeError(f"gemv_ordered_f32 refused {self.fmt} k={self.k} (code {rc})")
+        return y.view(*lead, self.n)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from forerun.kernels.block_linear import JoinedGemv, Small, joined, large_block_linear, small_block_linear
+from forerun.kernels.block_linear import (JoinedGemv, Small, joined, large_block_linear, ordered_block_linear,
+                                         small_block_linear)
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
@@ -96,6 +97,7 @@ class LinearPlan:
     gemm: PackedGemm | None = None
     lib: ctypes.CDLL | None = None
     dense_copy: bool = False
+    ordered_rows: int = 0  # batch-invariant mode: GGUF blocks of inputs up to this many rows on the ordered GEMV
 
     def build(self, weight: Tensor, bias: Tensor | None, compact: CompactWeight | None,
               fp32_out: bool = False) -> BuiltLinear:
@@ -121,6 +123,9 @@ class LinearPlan:
             large = make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         else:
             large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
+        if self.ordered_rows > 0:  # the block matmul's own sum order at few rows (batch-invariant mode)
+            ordered = joined([ordered_block_linear(self.lib, b) for b in blocks], bias)
+            return BuiltLinear(split_by_rows(ordered, large, self.ordered_rows), None, reads_dense=False)
         if self.gemv_rows <= 0:
             return BuiltLinear(large, None, reads_dense=False)
         if len(blocks) == 1:

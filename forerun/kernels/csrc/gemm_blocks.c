@@ -41,6 +41,7 @@
 #include <stdlib.h>
 
 #include "gguf_blocks.h"
+#include "transpose16.h"
 #include "vec.h"
 
 /* The vector paths built: AVX-512 for fp32 (and the transposes); AVX512_BF16 for bf16. */
@@ -167,32 +168,6 @@ static void expand_tile(int fmt, int bf16, const uint8_t *w, int64_t stride, int
 
 /* ---- Transposes: packing x, writing y ------------------------------------------------------------- */
 
-#if F32_PATH
-/* 16 x 16 32-bit values: dst row j = column j of src (32-bit moves only, so fp32 and bf16 pairs alike).
- * Interleaves 32-bit then 64-bit elements within 128-bit lanes, then gathers the lanes. */
-static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* b[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3 */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
-        const __m512i d0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
-        const __m512i d1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
-        r[j] = _mm512_shuffle_i32x4(c0, d0, 0x88);
-        r[4 + j] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
-        r[8 + j] = _mm512_shuffle_i32x4(c1, d1, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
-    }
-}
-#endif
 
 /* Groups g0 .. g1 - 1 of 16 rows of x into xp [groups][m][16], where a row of x is m 32-bit values
  * (fp32: m = k; bf16: m = k / 2 pairs); rows past `rows` are zero. */
