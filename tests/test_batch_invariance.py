@@ -16,6 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
+from forerun.kernels.block_matmul import available_isas
+from forerun.kernels.build import load_native_library
+from forerun.loader.model_source import cache_dir
 from tests.conftest import save_tiny_model
 
 # 5 prompts of 3 to 45 tokens (several 16-token blocks, so prefix hits and chunks cut them).
@@ -62,20 +65,21 @@ def _amid(llm: LLM, params: SamplingParams, vocab: int, cached: list[int] | None
     return [_result(outs[i]) for i in at]
 
 
-def _check_invariant(folder: Path, vocab: int) -> None:
+def _check_invariant(folder: Path, vocab: int, dtype: str = "auto") -> None:
+    engine = {**ENGINE, "dtype": dtype}
     for params in (GREEDY, SEEDED):
-        with LLM(model=str(folder), **ENGINE) as llm:
+        with LLM(model=str(folder), **engine) as llm:
             alone = _alone(llm, params)
             assert _amid(llm, params, vocab) == alone, "amid 63 others"
         assert len({t for tokens, _ in alone for t in tokens}) > 3  # the model says more than one thing
-        with LLM(model=str(folder), **{**ENGINE, "max_num_batched_tokens": 16, "max_num_seqs": 16}) as llm:
+        with LLM(model=str(folder), **{**engine, "max_num_batched_tokens": 16, "max_num_seqs": 16}) as llm:
             assert _amid(llm, params, vocab) == alone, "chunked prefill of 16 tokens a step"
-        with LLM(model=str(folder), **{**ENGINE, "enable_prefix_caching": True}) as llm:
+        with LLM(model=str(folder), **{**engine, "enable_prefix_caching": True}) as llm:
             _alone(llm, params)  # fills the prefix cache with every target's whole blocks
             cached: list[int] = []
             assert _amid(llm, params, vocab, cached) == alone, "after prefix-cache hits"
             assert sum(c > 0 for c in cached) >= 3, f"prefix-cache hits (tokens) {cached}"
-        with LLM(model=str(folder), **{**ENGINE, "async_scheduling": False}) as llm:
+        with LLM(model=str(folder), **{**engine, "async_scheduling": False}) as llm:
             assert _amid(llm, params, vocab) == alone, "sync scheduling"
 
 
@@ -84,8 +88,13 @@ def test_dense_model_is_batch_invariant(tmp_path: Path, smollm2_dir: Path) -> No
     _check_invariant(folder, 49152)
 
 
-def test_gguf_block_model_is_batch_invariant(tmp_path: Path) -> None:
-    # A K-quant mix (q/k/v, gate/up in several formats), read through the fp32 block matmul.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_block_model_is_batch_invariant(tmp_path: Path, dtype: str) -> None:
+    # A K-quant mix (q/k/v, gate/up in several formats), read through the block matmul and the GEMV
+    # that sums in its order, in fp32 and (on AVX512_BF16 CPUs) in bf16.
+    lib = load_native_library(cache_dir() / "kernels")
+    if dtype == "bfloat16" and (lib is None or "avx512" not in available_isas(lib, torch.bfloat16)):
+        pytest.skip("bf16 batch invariance runs on AVX512_BF16 CPUs only; fp32 is tested everywhere")
     config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                          max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=50000.0,
@@ -98,7 +107,7 @@ def test_gguf_block_model_is_batch_invariant(tmp_path: Path) -> None:
         mix.update({f"blk.{i}.{key}.weight": t for key, t in zip(keys, types)})
     path = tmp_path / "mixed.gguf"
     write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", qtypes=mix, seed=9)
-    _check_invariant(path, config.vocab_size)
+    _check_invariant(path, config.vocab_size, dtype)
 
 
 def test_batch_invariant_refuses_what_it_cannot_keep(tiny_llama_dir: Path) -> None:

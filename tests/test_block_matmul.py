@@ -256,3 +256,18 @@ def test_ordered_gemv_equals_the_fp32_block_matmul_bit_for_bit(lib, fmt, isa):
     for rows in (1, 2, 5, 6):
         assert torch.equal(gemv(x[:rows]), whole[:rows]), f"{rows} rows"
     assert torch.equal(gemv(x[3:4]), whole[3:4])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_ordered_bf16_gemv_equals_the_bf16_block_matmul_bit_for_bit(lib, fmt):
+    if "avx512" not in available_isas(lib, torch.bfloat16):
+        pytest.skip("the bf16 variants run on AVX512_BF16 CPUs only")  # elsewhere the engine runs fp32
+    k, n = _k(fmt), 37
+    blocks = torch.from_numpy(_blocks(fmt, n, k, seed=6, zeros=True))
+    x = _x(6, k, torch.bfloat16)
+    whole = _fp32_out(lib, blocks, fmt, x)
+    rounded = BlockMatmul(lib, blocks, fmt, k)(x)
+    gemv = OrderedGemv(lib, blocks, fmt, k)
+    for rows in (1, 2, 5, 6):
+        assert torch.equal(gemv(x[:rows], fp32_out=True), whole[:rows]), f"{rows} rows"
+        assert torch.equal(gemv(x[:rows]), rounded[:rows]), f"{rows} rows, rounded to bf16"

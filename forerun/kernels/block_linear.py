@@ -101,12 +101,14 @@ def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: to
     return lambda x: mm(x, fp32_out)
 
 
-def ordered_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight) -> LinearFn:
-    """The GEMV for few fp32 rows over `weight`'s blocks that sums in the fp32 block matmul's order
-    (forerun.kernels.block_matmul.OrderedGemv); where it cannot run, the block matmul itself."""
+def ordered_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: torch.dtype,
+                         fp32_out: bool = False) -> LinearFn:
+    """The GEMV for few rows over `weight`'s blocks that sums in the block matmul's order for inputs in
+    `dtype` (forerun.kernels.block_matmul.OrderedGemv); where it cannot run, the block matmul itself."""
     if lib is None or not hasattr(lib, "gemv_ordered_f32") or not supports(weight.fmt, weight.k):
-        return large_block_linear(lib, weight, torch.float32)
-    return OrderedGemv(lib, weight.data, weight.fmt, weight.k)
+        return large_block_linear(lib, weight, dtype, fp32_out)
+    gemv = OrderedGemv(lib, weight.data, weight.fmt, weight.k)
+    return lambda x: gemv(x, fp32_out)
 
 
 def expanding_linear(blocks: Sequence[CompactWeight], bias: Tensor | None, dtype: torch.dtype) -> LinearFn:

@@ -91,10 +91,11 @@ class BlockMatmul:
 
 
 class OrderedGemv:
-    """x -> x W^T for a few fp32 rows over W's GGUF blocks (`csrc/gemv_ordered.c`), summed in the fp32
-    `BlockMatmul`'s order: the same results bit for bit, at the cost of a GEMV rather than a batched
-    matmul. Batch-invariant mode runs it below a few rows and the block matmul above, so a row's result
-    is the same at every row count. Same invariants and errors as `BlockMatmul`; fp32 only."""
+    """x -> x W^T for a few rows over W's GGUF blocks (`csrc/gemv_ordered.c`), summed in `BlockMatmul`'s
+    order: the same results bit for bit (fp32 x: the fp32 variant; bf16 x: the bf16 variant, which has
+    an AVX512_BF16 path only), at the cost of a GEMV rather than a batched matmul. Batch-invariant mode
+    runs it below a few rows and the block matmul above, so a row's result is the same at every row
+    count. Same invariants and errors as `BlockMatmul`."""
 
     def __init__(self, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int, isa: str = "auto") -> None:
         if lib is None or not hasattr(lib, "gemv_ordered_f32"):
@@ -103,21 +104,25 @@ class OrderedGemv:
         built = [name for name, code in ISAS.items() if code and lib.gemv_ordered_isas_f32() & (1 << code)]
         if isa != "auto" and isa not in built:
             raise ValueError(f"isa: {isa!r} is not one of the paths built for this CPU: {built}")
-        self.fn = lib.gemv_ordered_f32
+        self.fns = {torch.float32: lib.gemv_ordered_f32, torch.bfloat16: lib.gemv_ordered_bf16}
         self.blocks = blocks.contiguous()
         self.fmt, self.k, self.n = fmt, k, blocks.shape[0]
         self.code, self.isa = FORMATS[fmt].code, isa
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x [..., k] fp32 -> [..., n] fp32."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.k:
-            raise ValueError(f"x: expected float32 [..., {self.k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    def __call__(self, x: Tensor, fp32_out: bool = False) -> Tensor:
+        """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: the fp32 result rounded once, as the
+        block matmul rounds), or fp32 with `fp32_out`."""
+        if x.dtype not in self.fns or x.device.type != "cpu" or x.shape[-1] != self.k:
+            raise ValueError(f"x: expected float32 or bfloat16 [..., {self.k}] on the CPU, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.k).contiguous()
         y = torch.empty(flat.shape[0], self.n, dtype=torch.float32)
         with profiled("forerun::linear_ordered"):
-            rc = self.fn(flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code, y.data_ptr(),
-                         flat.shape[0], self.k, self.n, ISAS[self.isa], torch.get_num_threads())
+            rc = self.fns[x.dtype](flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code,
+                                   y.data_ptr(), flat.shape[0], self.k, self.n, ISAS[self.isa], torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"x: no {x.dtype} path of the ordered GEMV on this CPU (bf16 needs AVX512_BF16)")
         if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
-            raise RuntimeError(f"gemv_ordered_f32 refused {self.fmt} k={self.k} (code {rc})")
-        return y.view(*lead, self.n)
+            raise RuntimeError(f"gemv_ordered refused {self.fmt} k={self.k} (code {rc})")
+        return y.view(*lead, self.n) if fp32_out else y.view(*lead, self.n).to(x.dtype)

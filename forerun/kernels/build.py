@@ -37,6 +37,7 @@ SIGNATURES = {
                                 _I64, _F32, _INT, _I64, _INT]),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
+    "gemv_ordered": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "decode_layers": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]),  # the KV cache's dtype
 }
 # Kernels with an fp32 variant only.
@@ -51,7 +52,6 @@ SIGNATURES_F32 = {
     "dequant_rows": (_INT, [_PTR, _I64, _INT, _I64, _I64, _PTR, _INT]),
     "gemm_blocks": (_INT, [_PTR, _INT, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "gemm_blocks_isas": (_INT, [_INT]),
-    "gemv_ordered": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "gemv_ordered_isas": (_INT, []),
 }
 

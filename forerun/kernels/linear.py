@@ -104,6 +104,9 @@ class LinearPlan:
         """The matmul x -> x W^T + b for this plan; `compact` is the checkpoint's own compact form of
         `weight` (GGUF blocks), else bf16 is tried where it holds the weight exactly. `fp32_out`: the
         compact matmul returns fp32 for bf16 inputs (the LM head, whose logits are used as fp32)."""
+        if self.ordered_rows > 0 and weight.dtype != torch.float32:
+            raise ValueError(f"batch_invariant: a dense {weight.dtype} matrix {tuple(weight.shape)} has no "
+                             "batch-invariant kernel (only GGUF blocks do in bf16); use dtype float32")
         large = None if self.kernel == "aten" else make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         small = None
         if self.gemv is not None and self.gemv_rows > 0:
@@ -124,7 +127,7 @@ class LinearPlan:
         else:
             large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
         if self.ordered_rows > 0:  # the block matmul's own sum order at few rows (batch-invariant mode)
-            ordered = joined([ordered_block_linear(self.lib, b) for b in blocks], bias)
+            ordered = joined([ordered_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
             return BuiltLinear(split_by_rows(ordered, large, self.ordered_rows), None, reads_dense=False)
         if self.gemv_rows <= 0:
             return BuiltLinear(large, None, reads_dense=False)

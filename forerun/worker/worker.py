@@ -24,9 +24,11 @@ from forerun.kernels.gemv import CompactGemv
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.block_linear import small_block_linear
+from forerun.kernels.block_matmul import available_isas as block_isas
 from forerun.kernels.probe import (DTYPE_NAMES, KernelChoice, MatmulPair, choose_gemv_rows, choose_kernels,
                                    dense_pair, measure)
 from forerun.loader.model_source import cache_dir
+from forerun.loader.weights import is_gguf_folder
 from forerun.model.attention import NativeDecodeBackend
 from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
@@ -190,8 +192,10 @@ class Worker:
         if lib is None:
             raise ValueError("batch_invariant: needs forerun's C kernels (native_kernels on, a C compiler)")
         fixed = parse_dtype(self.config.dtype, self.device)
-        if fixed not in (None, torch.float32):
-            raise ValueError(f"batch_invariant: runs in float32 (its matmul kernels are fp32), not {self.config.dtype}")
+        bf16_blocks = is_gguf_folder(self.folder) and "avx512" in block_isas(lib, torch.bfloat16)
+        if fixed not in (None, torch.float32) and not (fixed == torch.bfloat16 and bf16_blocks):
+            raise ValueError(f"batch_invariant: runs in float32, or in bfloat16 over a GGUF file's blocks on a CPU "
+                             f"with AVX512_BF16; not {self.config.dtype} here")
         c = self.hf_config
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
@@ -199,9 +203,10 @@ class Worker:
             raise ValueError(f"batch_invariant: the C attention kernel does not take {heads} heads of {head_dim}")
 
     def _invariant_kernels(self) -> KernelChoice:
-        """Batch-invariant mode's fixed choice: fp32 on forerun's packed GEMM, whose sum over k for each
-        output runs in order whatever the number of rows (GGUF blocks: the fp32 block matmul, the same)."""
-        return KernelChoice(DTYPE_NAMES[torch.float32], "native", {})
+        """Batch-invariant mode's fixed choice: fp32 (or bf16 as asked, GGUF blocks only) with dense
+        matrices on forerun's packed fp32 GEMM, whose sum over k for each output runs in order whatever
+        the number of rows (GGUF blocks: the block matmul, the same in either dtype)."""
+        return KernelChoice(DTYPE_NAMES[parse_dtype(self.config.dtype, self.device) or torch.float32], "native", {})
 
     def _decode_batch(self) -> int:
         """The batch size the matmul choice is tuned for: a full decode step, capped where GEMMs saturate."""

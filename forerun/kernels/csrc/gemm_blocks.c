@@ -134,16 +134,7 @@ static inline __attribute__((always_inline)) void expand_bf16(int fmt, const uin
 #if BF16_PATH
         block_maps_avx2(fmt, p, a, b);
         UNROLL_RUNS
-        for (int v = 0; v < bw / 16; v += 2) {
-            if (nibble_format(fmt)) {
-                _mm512_store_si512(o + 16 * v, weights32_bf16(fmt, p, v, a[map_of(fmt, v)], b[map_of(fmt, v)]));
-                continue;
-            }
-            const __m512 w0 = weights16_avx512(fmt, p, v, a[map_of(fmt, v)], b[map_of(fmt, v)]);
-            const __m512 w1 = weights16_avx512(fmt, p, v + 1, a[map_of(fmt, v + 1)], b[map_of(fmt, v + 1)]);
-            /* the low half of the result comes from the second operand */
-            _mm512_store_si512(o + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-        }
+        for (int v = 0; v < bw / 16; v += 2) _mm512_store_si512(o + 16 * v, runs32_bf16(fmt, p, v, a, b));
 #else
         float w[16];
         block_maps(fmt, p, a, b);

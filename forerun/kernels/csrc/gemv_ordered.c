@@ -11,8 +11,15 @@
  * weight k0 + i of the 16 rows, and adds x[r][k0 + i] times it to the 16 outputs. The portable path
  * runs the same chain with scalar fmas.
  *
- * x [rows, k] fp32; w [n, stride] bytes; y [rows, n] fp32. Groups of 16 weight rows are spread over
- * the caller's OpenMP threads (the last group repeats its last row; the copies are dropped).
+ * `gemv_ordered_bf16` is the same for the block matmul's bf16 variant (AVX512_BF16 only): x bf16, the
+ * weights rounded to bf16 as that kernel's tiles hold them (runs32_bf16), and each output one chain of
+ * vdpbf16ps steps over k, a pair of k a step, from +0: the matmul keeps rows of x in the lanes and
+ * broadcasts a weight pair, this kernel keeps weight rows in the lanes and broadcasts an x pair, and
+ * the instruction's result in a lane does not depend on which operand was broadcast.
+ *
+ * x [rows, k] fp32 (bf16: as uint16); w [n, stride] bytes; y [rows, n] fp32. Groups of 16 weight rows
+ * are spread over the caller's OpenMP threads (the last group repeats its last row; the copies are
+ * dropped).
  */
 #include "gguf_blocks.h"
 #include "transpose16.h"
@@ -87,6 +94,74 @@ static void ordered_avx512(int fmt, const float *x, const uint8_t *w, int64_t st
     }
 }
 #endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX2__) && \
+    defined(__FMA__)
+#define BF16_PATH 1
+/* One group of 16 weight rows against RB rows of bf16 x. */
+static inline __attribute__((always_inline)) void group_bf16(int fmt, int RB, const uint16_t *const xr[XROWS],
+                                                             int64_t k, const uint8_t *const wr[WROWS],
+                                                             __m512 acc[XROWS]) {
+    const int bw = block_weights(fmt), bs = block_bytes(fmt);
+    for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < k / bw; blk++) {
+        float a[WROWS][16], b[WROWS][16];
+        for (int c = 0; c < WROWS; c++) block_maps_avx2(fmt, wr[c] + blk * bs, a[c], b[c]);
+        for (int v = 0; v < bw / 16; v += 2) {
+            __m512i t[WROWS];
+            for (int c = 0; c < WROWS; c++) t[c] = runs32_bf16(fmt, wr[c] + blk * bs, v, a[c], b[c]);
+            transpose16(t); /* t[i], lane c: the pair of weights 16 v + 2 i, + 1 of row c */
+            const int64_t k0 = blk * bw + 16 * v;
+            for (int i = 0; i < 16; i++)
+                for (int r = 0; r < RB; r++) {
+                    uint32_t pair;
+                    memcpy(&pair, xr[r] + k0 + 2 * i, 4);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)t[i], (__m512bh)_mm512_set1_epi32((int)pair));
+                }
+        }
+    }
+}
+
+static void ordered_bf16(int fmt, const uint16_t *x, const uint8_t *w, int64_t stride, float *y, int64_t rows,
+                         int64_t k, int64_t n, int nthreads) {
+    const int64_t groups = (n + WROWS - 1) / WROWS;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wr[WROWS];
+        for (int c = 0; c < WROWS; c++) wr[c] = w + (WROWS * g + c < n ? WROWS * g + c : n - 1) * stride;
+        const int width = n - WROWS * g < WROWS ? (int)(n - WROWS * g) : WROWS;
+        for (int64_t r0 = 0; r0 < rows;) {
+            const int rb = rows - r0 == 1 ? 1 : XROWS, real = rows - r0 < rb ? (int)(rows - r0) : rb;
+            const uint16_t *xr[XROWS];
+            for (int r = 0; r < XROWS; r++) xr[r] = x + (r0 + (r < real ? r : real - 1)) * k;
+            __m512 acc[XROWS];
+            if (rb == 1) WITH_FORMAT(fmt, F, group_bf16(F, 1, xr, k, wr, acc));
+            else WITH_FORMAT(fmt, F, group_bf16(F, XROWS, xr, k, wr, acc));
+            for (int r = 0; r < real; r++)
+                _mm512_mask_storeu_ps(y + (r0 + r) * n + WROWS * g, (__mmask16)((1u << width) - 1), acc[r]);
+            r0 += real;
+        }
+    }
+}
+#else
+#define BF16_PATH 0
+#endif
+
+/* y [rows, n] fp32 = x [rows, k] bf16 W^T, in the bf16 block matmul's order. Returns 0, -1 for input
+ * that does not fit, -2 where this CPU or build has no AVX512_BF16 path (there is no portable one: the
+ * matmul's portable bf16 path sums in another order). */
+int gemv_ordered_bf16(const uint16_t *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows,
+                      int64_t k, int64_t n, int isa, int nthreads) {
+    const int bw = block_weights(fmt), bs = block_bytes(fmt);
+    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0) return -1;
+    if (!BF16_PATH || (isa != ISA_BEST && isa != ISA_AVX512)) return -2;
+    if (rows == 0 || n == 0) return 0;
+#if BF16_PATH
+    ordered_bf16(fmt, x, w, stride, y, rows, k, n, nthreads);
+#endif
+    (void)x, (void)w, (void)y, (void)nthreads;
+    return 0;
+}
 
 /* Bit i set when path i (ISA_SCALAR, ISA_AVX512) was built into this library. */
 int gemv_ordered_isas_f32(void) {

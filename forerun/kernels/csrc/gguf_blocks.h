@@ -427,6 +427,18 @@ static inline __attribute__((always_inline)) __m512i weights32_bf16(int fmt, con
     q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
     return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), _mm512_castsi256_si512(table));
 }
+
+/* Runs v and v + 1 (v even) of any format as 32 bf16 weights, each its exact fp32 weight rounded to
+ * nearest even: the 4-bit formats by table lookup (weights32_bf16), the others from two runs of fp32
+ * weights (vcvtne2ps2bf16 rounds the same way; no weight is subnormal). The block matmul's tiles and
+ * the ordered GEMV both take their bf16 weights from here, so they multiply by the same values. */
+static inline __attribute__((always_inline)) __m512i runs32_bf16(int fmt, const uint8_t *blk, int v, const float a[16],
+                                                                 const float b[16]) {
+    if (nibble_format(fmt)) return weights32_bf16(fmt, blk, v, a[map_of(fmt, v)], b[map_of(fmt, v)]);
+    const __m512 w0 = weights16_avx512(fmt, blk, v, a[map_of(fmt, v)], b[map_of(fmt, v)]);
+    const __m512 w1 = weights16_avx512(fmt, blk, v + 1, a[map_of(fmt, v + 1)], b[map_of(fmt, v + 1)]);
+    return (__m512i)_mm512_cvtne2ps_pbh(w1, w0); /* the low half of the result comes from the second operand */
+}
 #endif
 
 #endif
