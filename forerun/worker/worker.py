@@ -121,7 +121,7 @@ class Worker:
                              f"does not match the {world_size} ranks started")
         self.stage, tp_rank = divmod(rank, tp_size)
         self.output_rank = world_size - tp_size
-        self.tp = TPGroup(tp_rank, tp_size, self._tp_group(tp_size))
+        self.tp = TPGroup(tp_rank, tp_size, self._tp_group(tp_size), ordered=config.batch_invariant)
         self.hf_config = json.loads((self.folder / "config.json").read_text())
         self.encoder_only = config.runner == "pooling" and is_encoder_model(self.hf_config)
         self.gemm: PackedGemm | None = None
@@ -206,7 +206,9 @@ class Worker:
         """Batch-invariant mode's fixed choice: fp32 (or bf16 as asked, GGUF blocks only) with dense
         matrices on forerun's packed fp32 GEMM, whose sum over k for each output runs in order whatever
         the number of rows (GGUF blocks: the block matmul, the same in either dtype)."""
-        return KernelChoice(DTYPE_NAMES[parse_dtype(self.config.dtype, self.device) or torch.float32], "native", {})
+        dtype = parse_dtype(self.config.dtype, self.device) or torch.float32
+        # bf16 (GGUF blocks only): no dense matmul may run; LinearPlan.build refuses one in this mode.
+        return KernelChoice(DTYPE_NAMES[dtype], "native" if dtype == torch.float32 else "aten", {})
 
     def _decode_batch(self) -> int:
         """The batch size the matmul choice is tuned for: a full decode step, capped where GEMMs saturate."""
