@@ -162,6 +162,9 @@ class EngineConfig:
             raise ValueError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant: expected a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and (self.gemv_max_rows is not None or self.dense_weights):
+            raise ValueError("batch_invariant: chooses its own matmuls; gemv_max_rows and dense_weights do not "
+                             "apply with it")
         if self.batch_invariant and self.linear_kernel not in ("auto", "native"):
             raise ValueError(f"batch_invariant: runs every matmul on forerun's own kernel; linear_kernel "
                              f"{self.linear_kernel!r} is batch-variant (use auto or native)")

@@ -65,6 +65,10 @@ def test_gguf_block_model_is_batch_invariant(tmp_path: Path, dtype: str) -> None
 def test_batch_invariant_refuses_what_it_cannot_keep(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant="yes").validate()
+    with pytest.raises(ValueError, match="batch_invariant: chooses its own matmuls"):
+        EngineConfig(batch_invariant=True, gemv_max_rows=8).validate()
+    with pytest.raises(ValueError, match="batch_invariant: chooses its own matmuls"):
+        EngineConfig(batch_invariant=True, dense_weights=True).validate()
     with pytest.raises(ValueError, match="batch_invariant.*linear_kernel"):
         EngineConfig(batch_invariant=True, linear_kernel="mkldnn").validate()
     with pytest.raises(ValueError, match="batch_invariant: runs in float32"):

@@ -23,10 +23,11 @@ PROMPTS = [[7, 8, 9] * 7, [30, 31], list(range(50, 90)), [5] * 16, [11, 12, 13],
 MAX_TOKENS = [30, 12, 22, 8, 26, 18]
 
 
-def _run(folder, eager: bool, dtype: str = "float32") -> tuple[list, int]:
+def _run(folder, eager: bool, dtype: str = "float32", **kw) -> tuple[list, int]:
     """(tokens and logprobs per prompt, fused calls) for one engine."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
-    with LLM(model=str(folder), dtype=dtype, gemv_max_rows=4, enforce_eager=eager, show_progress=False) as llm:
+    kw.setdefault("gemv_max_rows", 4)
+    with LLM(model=str(folder), dtype=dtype, enforce_eager=eager, show_progress=False, **kw) as llm:
         fused = llm.engine.core.executor.worker.model.decode_layers
         assert (fused is None) == eager
         calls = []
@@ -81,9 +82,11 @@ def test_bf16_fused_step_matches_layer_by_layer_within_bf16_rounding(tmp_path, s
     assert worst <= BF16_LOGPROB_TOL, f"logprobs differ by {worst:.2e}"
 
 
-def test_fused_step_runs_packed_layers_in_several_formats(tmp_path):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fused_step_runs_packed_layers_in_several_formats(tmp_path, invariant):
     # As in SmolLM2's Q4_K_M file: q, k and v, and gate and up, are each in their own format, so the
-    # packed matmuls are joined from one block GEMV a part, in C as in the module path.
+    # packed matmuls are joined from one block GEMV a part, in C as in the module path. Batch-invariant
+    # mode runs the GEMV that sums in the block matmul's order, and never splits attention.
     config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                          max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
@@ -96,8 +99,9 @@ def test_fused_step_runs_packed_layers_in_several_formats(tmp_path):
         mix.update({f"blk.{i}.{key}.weight": t for key, t in zip(keys, types)})
     path = tmp_path / "mixed.gguf"
     write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", qtypes=mix, seed=5)
-    eager, _ = _run(path, eager=True)
-    fused, calls = _run(path, eager=False)
+    kw: dict = {"batch_invariant": True, "gemv_max_rows": None} if invariant else {}
+    eager, _ = _run(path, eager=True, **kw)
+    fused, calls = _run(path, eager=False, **kw)
     assert calls >= 12
     assert fused == eager  # token ids and every logprob, bit for bit
     assert len({t for tokens, _ in eager for t in tokens}) > 3  # the random model says more than one thing

@@ -51,12 +51,36 @@ class KQuantLinear:
 
 
 @dataclass(frozen=True)
+class OrderedLinear:
+    """x -> x W^T + b over one weight's blocks on the GEMV that sums in the block matmul's order
+    (batch-invariant mode); like KQuantLinear, its fields are what the fused decode step hands to C."""
+
+    gemv: OrderedGemv
+    bias: Tensor | None  # fp32, contiguous
+    fp32_out: bool = False  # True: fp32 output whatever the input's dtype (logits)
+
+    @property
+    def k(self) -> int:
+        return self.gemv.k
+
+    @property
+    def n(self) -> int:
+        return self.gemv.n
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self.gemv(x, self.fp32_out)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+@dataclass(frozen=True)
 class JoinedGemv:
     """x -> x W^T + b for a weight packed from parts in different formats (q/k/v or gate/up of a
     K-quant mix), each part on its own block GEMV and the outputs side by side; the fused decode
     step (forerun.kernels.decode) runs the parts into one output buffer the same way."""
 
-    parts: tuple[KQuantLinear, ...]  # without bias; each part's rows in order
+    parts: tuple[KQuantLinear, ...] | tuple[OrderedLinear, ...]  # without bias; each part's rows in order
     bias: Tensor | None  # fp32, contiguous, over all parts' outputs
 
     @property
@@ -74,7 +98,7 @@ class JoinedGemv:
         return y
 
 
-Small = CompactLinear | KQuantLinear | JoinedGemv
+Small = CompactLinear | KQuantLinear | OrderedLinear | JoinedGemv
 
 
 def small_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,
@@ -101,14 +125,14 @@ def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: to
     return lambda x: mm(x, fp32_out)
 
 
-def ordered_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: torch.dtype,
-                         fp32_out: bool = False) -> LinearFn:
-    """The GEMV for few rows over `weight`'s blocks that sums in the block matmul's order for inputs in
-    `dtype` (forerun.kernels.block_matmul.OrderedGemv); where it cannot run, the block matmul itself."""
+def ordered_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,
+                         fp32_out: bool = False) -> OrderedLinear | None:
+    """The GEMV for few rows over `weight`'s blocks that sums in the block matmul's order
+    (forerun.kernels.block_matmul.OrderedGemv), or None where it cannot run."""
     if lib is None or not hasattr(lib, "gemv_ordered_f32") or not supports(weight.fmt, weight.k):
-        return large_block_linear(lib, weight, dtype, fp32_out)
-    gemv = OrderedGemv(lib, weight.data, weight.fmt, weight.k)
-    return lambda x: gemv(x, fp32_out)
+        return None
+    return OrderedLinear(OrderedGemv(lib, weight.data, weight.fmt, weight.k),
+                         None if bias is None else bias.detach().float().contiguous(), fp32_out)
 
 
 def expanding_linear(blocks: Sequence[CompactWeight], bias: Tensor | None, dtype: torch.dtype) -> LinearFn:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from forerun.kernels.attention import shape_supported
 from forerun.kernels.build import profiled
-from forerun.kernels.block_linear import JoinedGemv, Small
+from forerun.kernels.block_linear import JoinedGemv, OrderedLinear, Small
 from forerun.kernels.gemv import CompactLinear
 from forerun.kernels.ops import PARALLEL_MIN_ELEMENTS
 from forerun.kernels.types import DecodeBatch
@@ -80,7 +80,7 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("inter", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("num_blocks", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
-                ("parallel_min_elements", _I64)]
+                ("parallel_min_elements", _I64), ("split", _I64)]
 
 
 class _Batch(ctypes.Structure):
@@ -89,6 +89,7 @@ class _Batch(ctypes.Structure):
 
 
 BLOCK_FMT = 256  # decode_layers.c: a format code at or above it names the block GEMV's ggml type
+ORDERED_FMT = 512  # decode_layers.c: ... the ordered GEMV's (batch-invariant mode)
 
 
 def _matmul(lin: Small) -> _Matmul:
@@ -103,8 +104,8 @@ def _matmul(lin: Small) -> _Matmul:
     m.parts = len(parts)
     for i, part in enumerate(parts):
         blocks = part.gemv.blocks
-        m.w[i], m.group_bytes[i], m.fmt[i], m.n[i] = (blocks.data_ptr(), blocks.shape[1], BLOCK_FMT + part.gemv.code,
-                                                      part.n)
+        base = ORDERED_FMT if isinstance(part, OrderedLinear) else BLOCK_FMT
+        m.w[i], m.group_bytes[i], m.fmt[i], m.n[i] = blocks.data_ptr(), blocks.shape[1], base + part.gemv.code, part.n
     return m
 
 
@@ -114,12 +115,13 @@ class DecodeLayers:
     and activation, and C decode attention (the model checks its own side)."""
 
     def __init__(self, lib: ctypes.CDLL, layers: Sequence[DecodeLayerWeights], dims: DecodeDims,
-                 max_rows: int, kv_dtype: torch.dtype = torch.float32) -> None:
+                 max_rows: int, kv_dtype: torch.dtype = torch.float32, split: bool = True) -> None:
         if kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype: the fused decode step takes a float32 or bfloat16 cache, not {kv_dtype}")
         self.fn = lib.decode_layers_f32 if kv_dtype == torch.float32 else lib.decode_layers_bf16
         self.dtype = kv_dtype
         self.max_rows = max_rows
+        self.split = split  # False: attention never splits a context (batch-invariant mode)
         self.heads, self.kv_heads, self.head_dim = dims.heads, dims.kv_heads, dims.head_dim
         self.hidden, self.inter = dims.hidden, dims.inter
         self.eps, self.scale = dims.eps, dims.scale
@@ -163,7 +165,7 @@ class DecodeLayers:
                 slot.kv_cache = ptr
             self._caches = caches
             self._shape = _Shape(self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim, num_blocks,
-                                 block_size, self.eps, self.scale, PARALLEL_MIN_ELEMENTS)
+                                 block_size, self.eps, self.scale, PARALLEL_MIN_ELEMENTS, int(self.split))
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         rows = hidden.shape[0]
         out_dtype = hidden.dtype

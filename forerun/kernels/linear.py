@@ -72,7 +72,7 @@ class BuiltLinear:
     """One weight's matmul as a `LinearPlan` built it.
 
     Invariant: `matmul` None means plain `F.linear` over the dense weight; `small` is the compact-weight
-    matmul `matmul` uses for inputs of at most the plan's `gemv_rows` rows (None: none); `reads_dense`
+    matmul `matmul` uses for inputs of at most the plan's `small_rows` rows (None: none); `reads_dense`
     says whether `matmul` still reads the dense weight (when False the caller may free it).
     """
 
@@ -98,6 +98,11 @@ class LinearPlan:
     lib: ctypes.CDLL | None = None
     dense_copy: bool = False
     ordered_rows: int = 0  # batch-invariant mode: GGUF blocks of inputs up to this many rows on the ordered GEMV
+
+    @property
+    def small_rows(self) -> int:
+        """Inputs of at most this many rows run a layer's `small` matmul (where it has one)."""
+        return self.ordered_rows if self.ordered_rows > 0 else self.gemv_rows
 
     def build(self, weight: Tensor, bias: Tensor | None, compact: CompactWeight | None,
               fp32_out: bool = False) -> BuiltLinear:
@@ -126,19 +131,19 @@ class LinearPlan:
             large = make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         else:
             large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
-        if self.ordered_rows > 0:  # the block matmul's own sum order at few rows (batch-invariant mode)
-            ordered = joined([ordered_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
-            return BuiltLinear(split_by_rows(ordered, large, self.ordered_rows), None, reads_dense=False)
-        if self.gemv_rows <= 0:
+        # Batch-invariant mode: at few rows the GEMV that sums in the block matmul's own order.
+        make_small, rows = ((ordered_block_linear, self.ordered_rows) if self.ordered_rows > 0
+                            else (small_block_linear, self.gemv_rows))
+        if rows <= 0:
             return BuiltLinear(large, None, reads_dense=False)
         if len(blocks) == 1:
-            small = small_block_linear(self.lib, blocks[0], bias, fp32_out)
+            small = make_small(self.lib, blocks[0], bias, fp32_out)
             if small is None:
                 return BuiltLinear(large, None, reads_dense=False)
-            return BuiltLinear(split_by_rows(small, large, self.gemv_rows), small, reads_dense=False)
-        smalls = [small_block_linear(self.lib, b, None, fp32_out) for b in blocks]
+            return BuiltLinear(split_by_rows(small, large, rows), small, reads_dense=False)
+        smalls = [make_small(self.lib, b, None, fp32_out) for b in blocks]
         if any(s is None for s in smalls):
             return BuiltLinear(large, None, reads_dense=False)
-        small_parts = JoinedGemv(tuple(s for s in smalls if s is not None),
+        small_parts = JoinedGemv(tuple(s for s in smalls if s is not None),  # type: ignore[arg-type]
                                  None if bias is None else bias.detach().float().contiguous())
-        return BuiltLinear(split_by_rows(small_parts, large, self.gemv_rows), small_parts, reads_dense=False)
+        return BuiltLinear(split_by_rows(small_parts, large, rows), small_parts, reads_dense=False)

@@ -145,7 +145,7 @@ class PackableLinear(nn.Module):
             built = plan.build_blocks(self.blocks, bias, self.weight.dtype, fp32_out)
         else:
             built = plan.build(self.weight.detach(), bias, None, fp32_out)
-        self.small, self.small_rows = built.small, plan.gemv_rows if built.small is not None else 0
+        self.small, self.small_rows = built.small, plan.small_rows if built.small is not None else 0
         self._matmul = built.matmul
         if not built.reads_dense and not keep_weight and self.blocks is None:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

@@ -290,11 +290,12 @@ class LlamaForCausalLM(nn.Module):
         """Whether any weight is held as GGUF blocks only (its matmuls then need `use_linear_kernel`)."""
         return any(isinstance(m, PackableLinear) and m.blocks for m in self.modules())
 
-    def use_decode_layers(self, lib: ctypes.CDLL) -> str | None:
+    def use_decode_layers(self, lib: ctypes.CDLL, split: bool = True) -> str | None:
         """Run small decode steps through every layer in one C call (forerun.kernels.decode) from
-        now on; call after `use_linear_kernel`. Returns why it cannot, or None when it does."""
+        now on; call after `use_linear_kernel`. Returns why it cannot, or None when it does. `split`
+        False: its attention never splits a context (batch-invariant mode)."""
         why = self._why_not_decode_layers()
-        self.decode_layers = None if why else self._build_decode_layers(lib)
+        self.decode_layers = None if why else self._build_decode_layers(lib, split)
         return why
 
     def _why_not_decode_layers(self) -> str | None:
@@ -324,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
         return DecodeDims(self.args.hidden_size, first.mlp.inter, a.num_heads, a.num_kv_heads, a.head_dim,
                           self.args.rms_norm_eps, a.scale)
 
-    def _build_decode_layers(self, lib: ctypes.CDLL) -> DecodeLayers:
+    def _build_decode_layers(self, lib: ctypes.CDLL, split: bool) -> DecodeLayers:
         """The fused step over this stage's layers, handed as plain weights and sizes."""
         layers = [self.model.layers[i] for i in self.local_layers]
         weights = []
@@ -335,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
                                               layer.post_attention_layernorm.weight, layer.self_attn.window))
         max_rows = min(lin.small_rows for layer in layers for lin in _linears(layer))
         kv_dtype = layers[0].input_layernorm.weight.dtype  # the engine's dtype, which its KV cache has
-        return DecodeLayers(lib, weights, self._decode_dims(), max_rows, kv_dtype)
+        return DecodeLayers(lib, weights, self._decode_dims(), max_rows, kv_dtype, split)
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""

@@ -157,10 +157,14 @@ class Worker:
                 if gemv_rows and self.rank == 0:
                     logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
                                 "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
-            if lib is not None and gemv_rows and not config.enforce_eager:
-                why_not = self.model.use_decode_layers(lib)
+            # Batch-invariant mode keeps the one-call step in fp32 only: it runs fp32 between ops, which
+            # the module path matches in fp32 (bit for bit), but not in bf16 (it rounds after each op).
+            fused_ok = not invariant or self.dtype == torch.float32
+            small_rows = dataclasses.replace(plan, gemv_rows=gemv_rows).small_rows
+            if lib is not None and small_rows and fused_ok and not config.enforce_eager:
+                why_not = self.model.use_decode_layers(lib, split=not invariant)
                 if self.rank == 0:
-                    logger.info("decode steps of up to %d rows: %s", gemv_rows,
+                    logger.info("decode steps of up to %d rows: %s", small_rows,
                                 f"layer by layer ({why_not})" if why_not else "all layers in one C call")
         self.runner: ModelRunner | None = None
         self._profiler: torch.profiler.profile | None = None

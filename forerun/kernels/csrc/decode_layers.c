@@ -24,6 +24,8 @@
 
 void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int fmt, const float *b, float *y,
                       int64_t rows, int64_t k, int64_t n, int nthreads);
+int gemv_ordered_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
+                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
 int gemv_kquant_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *res_out,
@@ -42,10 +44,12 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *c
 
 /* One matmul: on the compact-weight GEMV (the packed weight, its format and group size), or, where
  * fmt >= BLOCK_FMT, on the block GEMV over a GGUF file's rows of blocks as stored (w the rows,
- * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type). A weight packed from parts in
+ * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type), or, where fmt >= ORDERED_FMT, on
+ * the GEMV that sums in the block matmul's order (batch-invariant mode; fmt - ORDERED_FMT the ggml
+ * type). A weight packed from parts in
  * different formats (q/k/v or gate/up of a K-quant mix) has one entry per part, each writing its n
  * columns of the output beside the previous part's. bias or NULL. */
-enum { BLOCK_FMT = 256, MAX_PARTS = 3 };
+enum { BLOCK_FMT = 256, ORDERED_FMT = 512, MAX_PARTS = 3 };
 typedef struct {
     int64_t parts;
     const uint8_t *w[MAX_PARTS];
@@ -67,6 +71,7 @@ typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, num_blocks, block_size;
     float eps, scale;
     int64_t parallel_min_elements; /* smaller element-wise passes run on one thread (forerun.kernels.ops' rule) */
+    int64_t split;                 /* 0: attention never splits a context (batch-invariant mode) */
 } shape_t;
 
 /* One step's batch (see forerun.kernels.types.DecodeBatch for the decode fields). */
@@ -99,9 +104,14 @@ static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, in
         return;
     }
     /* The formats, shapes and part widths (summing to n) were checked when the Python side built it. */
-    for (int64_t p = 0, col = 0; p < m->parts; col += m->n[p], p++)
-        gemv_kquant_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - BLOCK_FMT), y + col, n, rows, k,
-                                m->n[p], 0, nthreads);
+    for (int64_t p = 0, col = 0; p < m->parts; col += m->n[p], p++) {
+        if (m->fmt[p] >= ORDERED_FMT)
+            gemv_ordered_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - ORDERED_FMT), y + col, n, rows,
+                                     k, m->n[p], 0, nthreads);
+        else
+            gemv_kquant_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - BLOCK_FMT), y + col, n, rows,
+                                    k, m->n[p], 0, nthreads);
+    }
     if (m->bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < n; j++) y[r * n + j] += m->bias[j];
@@ -118,7 +128,7 @@ static int attend_f32(const layer_t *L, const shape_t *s, const batch_t *b, cons
         memcpy(V + b->slots[r] * KVH * D, qkv + r * qkv_w + qk_w, sizeof(float) * (size_t)(KVH * D));
     }
     return decode_attention_f32(qk, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, att, R, H, KVH, D,
-                                s->num_blocks, s->block_size, L->window, s->scale, nthreads, b->max_len, 1);
+                                s->num_blocks, s->block_size, L->window, s->scale, nthreads, b->max_len, (int)s->split);
 }
 
 /* As attend_f32 over a bf16 cache: K, V and q round to bf16 (`qb`, `ab`: [rows, (H + KVH) * D] and
@@ -135,7 +145,7 @@ static int attend_bf16(const layer_t *L, const shape_t *s, const batch_t *b, con
     }
     const int failed = decode_attention_bf16(qb, qk_w, L->kv_cache, b->tables, b->table_stride, b->lens, ab, R, H,
                                              KVH, D, s->num_blocks, s->block_size, L->window, s->scale, nthreads,
-                                             b->max_len, 1);
+                                             b->max_len, (int)s->split);
     for (int64_t i = 0; i < R * H * D; i++) {
         const uint32_t u = (uint32_t)ab[i] << 16;
         memcpy(&att[i], &u, sizeof u);

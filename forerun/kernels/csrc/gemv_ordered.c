@@ -26,8 +26,8 @@
 
 enum { WROWS = 16, XROWS = 4 };
 
-static void ordered_scalar(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t rows,
-                           int64_t k, int64_t n, int nthreads) {
+static void ordered_scalar(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+                           int64_t rows, int64_t k, int64_t n, int nthreads) {
     const int bw = block_weights(fmt), bs = block_bytes(fmt);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t j = 0; j < n; j++)
@@ -42,7 +42,7 @@ static void ordered_scalar(int fmt, const float *x, const uint8_t *w, int64_t st
                     for (int i = 0; i < 16; i++) s = fmaf(xr[i], wv[i], s);
                 }
             }
-            y[r * n + j] = s;
+            y[r * ldy + j] = s;
         }
 }
 
@@ -72,8 +72,8 @@ static inline __attribute__((always_inline)) void group_avx512(int fmt, int RB, 
 
 #define GROUP_RB(F, rb, ...) (rb == 1 ? group_avx512(F, 1, __VA_ARGS__) : group_avx512(F, XROWS, __VA_ARGS__))
 
-static void ordered_avx512(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t rows,
-                           int64_t k, int64_t n, int nthreads) {
+static void ordered_avx512(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+                           int64_t rows, int64_t k, int64_t n, int nthreads) {
     const int64_t groups = (n + WROWS - 1) / WROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -88,7 +88,7 @@ static void ordered_avx512(int fmt, const float *x, const uint8_t *w, int64_t st
             __m512 acc[XROWS];
             WITH_FORMAT(fmt, F, GROUP_RB(F, rb, xr, k, wr, acc));
             for (int r = 0; r < real; r++)
-                _mm512_mask_storeu_ps(y + (r0 + r) * n + WROWS * g, (__mmask16)((1u << width) - 1), acc[r]);
+                _mm512_mask_storeu_ps(y + (r0 + r) * ldy + WROWS * g, (__mmask16)((1u << width) - 1), acc[r]);
             r0 += real;
         }
     }
@@ -172,22 +172,29 @@ int gemv_ordered_isas_f32(void) {
     return isas;
 }
 
-/* Returns 0, -1 for a format gguf_blocks.h lacks or a k / stride that does not fit it, -2 for a path
- * not built. `isa`: ISA_BEST or one path. */
-int gemv_ordered_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows, int64_t k,
-                     int64_t n, int isa, int nthreads) {
+/* y [rows, n] (rows ldy apart: one part of a wider output, as in the fused decode step) = x W^T.
+ * Returns 0, -1 for a format gguf_blocks.h lacks or a k / stride / ldy that does not fit it, -2 for a
+ * path not built. `isa`: ISA_BEST or one path. */
+int gemv_ordered_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
+                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
     const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0) return -1;
+    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0 || ldy < n) return -1;
     const int isas = gemv_ordered_isas_f32();
     if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_SCALAR;
     if ((isa != ISA_SCALAR && isa != ISA_AVX512) || !(isas & (1 << isa))) return -2;
     if (rows == 0 || n == 0) return 0;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     if (isa == ISA_AVX512) {
-        ordered_avx512(fmt, x, w, stride, y, rows, k, n, nthreads);
+        ordered_avx512(fmt, x, w, stride, y, ldy, rows, k, n, nthreads);
         return 0;
     }
 #endif
-    ordered_scalar(fmt, x, w, stride, y, rows, k, n, nthreads);
+    ordered_scalar(fmt, x, w, stride, y, ldy, rows, k, n, nthreads);
     return 0;
+}
+
+/* y [rows, n] contiguous (gemv_ordered_strided_f32 with ldy = n). */
+int gemv_ordered_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows, int64_t k,
+                     int64_t n, int isa, int nthreads) {
+    return gemv_ordered_strided_f32(x, w, stride, fmt, y, n, rows, k, n, isa, nthreads);
 }
