@@ -3,7 +3,8 @@
 A few target prompts run alone, then amid random requests of varied lengths and sampling settings, in
 several engines: the default batching, chunked prefill with a small token budget, after prefix-cache
 hits, and with async scheduling off. For greedy and seeded sampling it counts the targets whose
-tokens and logprobs equal, bit for bit, those of the prompt run alone, and prints the counts as JSON.
+tokens and logprobs equal, bit for bit, those of the prompt run alone (and, apart, those whose tokens
+alone do), and prints the counts as JSON.
 With `--batch-invariant` every count should be whole; without it, on most CPUs, it is not.
 """
 
@@ -19,8 +20,19 @@ from forerun.outputs import RequestOutput
 from forerun.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-TARGETS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "List three prime numbers:", "The best way to learn a language is"]
+# Long enough (40-60 tokens) to fill whole 16-token cache blocks, so prefix-cache hits and chunks cut them.
+TARGETS = [
+    "The history of the city begins with a small fishing village on the river. Over the centuries it grew "
+    "into a market town, then a port, and finally the capital of the region. Today the city is known for",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so that large n "
+    "do not overflow the stack.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker and "
+    "his granddaughter. Every morning the girl would climb the hill behind the house and",
+    "Here is a list of three prime numbers, each followed by a short explanation of why it is prime and "
+    "how one can check it by trial division with every number up to its square root:",
+    "The best way to learn a new language as an adult is a question that researchers have studied for "
+    "decades. Most of them agree on a few simple principles, the first of which is",
+]
 # The engines the targets run amid others in: their changes to the engine options, and whether the
 # prefix cache is filled with the targets first.
 RUNS: dict[str, tuple[dict[str, Any], bool]] = {
@@ -86,6 +98,7 @@ def compare(model: str | None, engine: dict[str, Any], targets: Sequence[Prompt]
     options every run shares (the prefix cache off unless a run turns it on)."""
     base = {"enable_prefix_caching": False, **engine, "show_progress": False}
     counts: dict[str, dict[str, int]] = {name: {} for name in runs}
+    same_tokens = 0  # targets whose token ids alone equal (their logprobs may differ in the last bits)
     hits: list[int] = []
     distinct: set[int] = set()
     for kind in ("greedy", "seeded"):
@@ -100,9 +113,11 @@ def compare(model: str | None, engine: dict[str, Any], targets: Sequence[Prompt]
                     alone(llm, targets, params)  # fills the prefix cache with every target's whole blocks
                 got = amid(llm, targets, params, vocab, num_others, seed, hits if warm else None)
             counts[name][kind] = sum(a == b for a, b in zip(got, reference))
+            same_tokens += sum(a[0] == b[0] for a, b in zip(got, reference))
     compared = len(targets) * 2 * len(runs)
     return {"targets": len(targets), "num_others": num_others, "max_tokens": max_tokens, "runs": counts,
             "identical": sum(n for per_run in counts.values() for n in per_run.values()), "compared": compared,
+            "identical_tokens": same_tokens,
             "prefix_cache_hit_tokens": hits, "distinct_tokens_alone": len(distinct)}
 
 
