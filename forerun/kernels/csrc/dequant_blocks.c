@@ -41,8 +41,7 @@ static inline __attribute__((always_inline)) void dequant_row(int fmt, const uin
 /* out [rows, k] fp32 from w [rows, stride] bytes (each row k / block weights blocks of format `fmt`).
  * Returns 0, or -1 for a format gguf_blocks.h lacks or a k / stride / row count that does not fit. */
 int dequant_rows_f32(const uint8_t *w, int64_t stride, int fmt, int64_t rows, int64_t k, float *out, int nthreads) {
-    const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0) return -1;
+    if (!rows_fit(fmt, k, stride) || rows < 0) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows; r++) WITH_FORMAT(fmt, F, dequant_row(F, w + r * stride, k, out + r * k));
     return 0;

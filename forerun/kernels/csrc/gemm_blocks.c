@@ -340,8 +340,7 @@ static void thread_columns(const Plan *p, const void *xp, const uint8_t *w, int6
  * k / stride / count that does not fit; -2 for a path not built; -3 when memory runs out. */
 int gemm_blocks_f32(const void *x, int mode, const uint8_t *w, int64_t stride, int fmt, void *y, int64_t rows,
                     int64_t k, int64_t n, int isa, int nthreads) {
-    const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0) return -1;
+    if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0) return -1;
     if (mode != MODE_F32 && mode != MODE_BF16 && mode != MODE_BF16_OUT) return -1;
     const int bf16 = mode != MODE_F32;
     const int isas = gemm_blocks_isas_f32(bf16);

@@ -224,8 +224,7 @@ int gemv_kquant_isas_f32(void) {
  * format this file lacks or a k / stride / ldy that does not fit it, -2 for a path not built. */
 int gemv_kquant_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
-    const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0 || ldy < n) return -1;
+    if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n) return -1;
     const int isas = gemv_kquant_isas_f32();
     if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
     if (isa < ISA_SCALAR || isa > ISA_AVX512 || !(isas & (1 << isa))) return -2;

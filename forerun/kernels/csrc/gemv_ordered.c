@@ -71,28 +71,6 @@ static inline __attribute__((always_inline)) void group_avx512(int fmt, int RB, 
 }
 
 #define GROUP_RB(F, rb, ...) (rb == 1 ? group_avx512(F, 1, __VA_ARGS__) : group_avx512(F, XROWS, __VA_ARGS__))
-
-static void ordered_avx512(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
-                           int64_t rows, int64_t k, int64_t n, int nthreads) {
-    const int64_t groups = (n + WROWS - 1) / WROWS;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *wr[WROWS];
-        for (int c = 0; c < WROWS; c++) wr[c] = w + (WROWS * g + c < n ? WROWS * g + c : n - 1) * stride;
-        const int width = n - WROWS * g < WROWS ? (int)(n - WROWS * g) : WROWS;
-        for (int64_t r0 = 0; r0 < rows;) {
-            /* one row alone, else tiles of XROWS where a short tile repeats its last row */
-            const int rb = rows - r0 == 1 ? 1 : XROWS, real = rows - r0 < rb ? (int)(rows - r0) : rb;
-            const float *xr[XROWS];
-            for (int r = 0; r < XROWS; r++) xr[r] = x + (r0 + (r < real ? r : real - 1)) * k;
-            __m512 acc[XROWS];
-            WITH_FORMAT(fmt, F, GROUP_RB(F, rb, xr, k, wr, acc));
-            for (int r = 0; r < real; r++)
-                _mm512_mask_storeu_ps(y + (r0 + r) * ldy + WROWS * g, (__mmask16)((1u << width) - 1), acc[r]);
-            r0 += real;
-        }
-    }
-}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX2__) && \
@@ -121,9 +99,16 @@ static inline __attribute__((always_inline)) void group_bf16(int fmt, int RB, co
         }
     }
 }
+#else
+#define BF16_PATH 0
+#endif
 
-static void ordered_bf16(int fmt, const uint16_t *x, const uint8_t *w, int64_t stride, float *y, int64_t rows,
-                         int64_t k, int64_t n, int nthreads) {
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The vector paths: groups of 16 weight rows over the threads (the last group repeats its last row);
+ * rows of x one at a time when one is left, else in tiles of XROWS where a short tile repeats its last
+ * row. x fp32, or bf16 as uint16 with `bf16` (the caller checked that BF16_PATH was built). */
+static void ordered_vector(int bf16, int fmt, const void *x, const uint8_t *w, int64_t stride, float *y,
+                           int64_t ldy, int64_t rows, int64_t k, int64_t n, int nthreads) {
     const int64_t groups = (n + WROWS - 1) / WROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -132,19 +117,28 @@ static void ordered_bf16(int fmt, const uint16_t *x, const uint8_t *w, int64_t s
         const int width = n - WROWS * g < WROWS ? (int)(n - WROWS * g) : WROWS;
         for (int64_t r0 = 0; r0 < rows;) {
             const int rb = rows - r0 == 1 ? 1 : XROWS, real = rows - r0 < rb ? (int)(rows - r0) : rb;
-            const uint16_t *xr[XROWS];
-            for (int r = 0; r < XROWS; r++) xr[r] = x + (r0 + (r < real ? r : real - 1)) * k;
+            int64_t at[XROWS]; /* the row of x each tile slot reads */
+            for (int r = 0; r < XROWS; r++) at[r] = r0 + (r < real ? r : real - 1);
             __m512 acc[XROWS];
-            if (rb == 1) WITH_FORMAT(fmt, F, group_bf16(F, 1, xr, k, wr, acc));
-            else WITH_FORMAT(fmt, F, group_bf16(F, XROWS, xr, k, wr, acc));
+            if (!bf16) {
+                const float *xr[XROWS];
+                for (int r = 0; r < XROWS; r++) xr[r] = (const float *)x + at[r] * k;
+                WITH_FORMAT(fmt, F, GROUP_RB(F, rb, xr, k, wr, acc));
+            }
+#if BF16_PATH
+            if (bf16) {
+                const uint16_t *xr[XROWS];
+                for (int r = 0; r < XROWS; r++) xr[r] = (const uint16_t *)x + at[r] * k;
+                if (rb == 1) WITH_FORMAT(fmt, F, group_bf16(F, 1, xr, k, wr, acc));
+                else WITH_FORMAT(fmt, F, group_bf16(F, XROWS, xr, k, wr, acc));
+            }
+#endif
             for (int r = 0; r < real; r++)
-                _mm512_mask_storeu_ps(y + (r0 + r) * n + WROWS * g, (__mmask16)((1u << width) - 1), acc[r]);
+                _mm512_mask_storeu_ps(y + (r0 + r) * ldy + WROWS * g, (__mmask16)((1u << width) - 1), acc[r]);
             r0 += real;
         }
     }
 }
-#else
-#define BF16_PATH 0
 #endif
 
 /* y [rows, n] fp32 = x [rows, k] bf16 W^T, in the bf16 block matmul's order. Returns 0, -1 for input
@@ -152,12 +146,11 @@ static void ordered_bf16(int fmt, const uint16_t *x, const uint8_t *w, int64_t s
  * matmul's portable bf16 path sums in another order). */
 int gemv_ordered_bf16(const uint16_t *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows,
                       int64_t k, int64_t n, int isa, int nthreads) {
-    const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0) return -1;
+    if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0) return -1;
     if (!BF16_PATH || (isa != ISA_BEST && isa != ISA_AVX512)) return -2;
     if (rows == 0 || n == 0) return 0;
 #if BF16_PATH
-    ordered_bf16(fmt, x, w, stride, y, rows, k, n, nthreads);
+    ordered_vector(1, fmt, x, w, stride, y, n, rows, k, n, nthreads);
 #endif
     (void)x, (void)w, (void)y, (void)nthreads;
     return 0;
@@ -177,15 +170,14 @@ int gemv_ordered_isas_f32(void) {
  * path not built. `isa`: ISA_BEST or one path. */
 int gemv_ordered_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
                              int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
-    const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    if (bs == 0 || k <= 0 || k % bw || stride < k / bw * bs || rows < 0 || n < 0 || ldy < n) return -1;
+    if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n) return -1;
     const int isas = gemv_ordered_isas_f32();
     if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_SCALAR;
     if ((isa != ISA_SCALAR && isa != ISA_AVX512) || !(isas & (1 << isa))) return -2;
     if (rows == 0 || n == 0) return 0;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     if (isa == ISA_AVX512) {
-        ordered_avx512(fmt, x, w, stride, y, ldy, rows, k, n, nthreads);
+        ordered_vector(0, fmt, x, w, stride, y, ldy, rows, k, n, nthreads);
         return 0;
     }
 #endif

@@ -88,6 +88,14 @@ static inline int block_bytes(int fmt) {
     }
 }
 
+/* Whether rows of k weights in `fmt` can be read from rows `stride` bytes apart: a format this header
+ * decodes, k a positive whole number of its blocks, and stride at least a row's bytes (the kernels'
+ * common argument check). */
+static inline int rows_fit(int fmt, int64_t k, int64_t stride) {
+    const int bw = block_weights(fmt), bs = block_bytes(fmt);
+    return bs != 0 && k > 0 && k % bw == 0 && stride >= k / bw * bs;
+}
+
 /* Whether every weight is one nibble of a byte (4-bit codes, no high part). */
 static inline int nibble_format(int fmt) {
     return fmt == GGML_Q4_0 || fmt == GGML_Q4_1 || fmt == GGML_IQ4_NL || fmt == GGML_Q4_K || fmt == GGML_IQ4_XS;
