@@ -27,35 +27,12 @@ from forerun.kernels.types import LinearFn
 
 
 @dataclass(frozen=True)
-class KQuantLinear:
-    """x -> x W^T + b over one weight's GGUF blocks as stored (the block GEMV); its fields are what the
-    fused decode step (forerun.kernels.decode) hands to C."""
+class BlockGemvLinear:
+    """x -> x W^T + b over one weight's GGUF blocks as stored, on a GEMV: the block GEMV, or in
+    batch-invariant mode the one that sums in the block matmul's order; its fields are what the fused
+    decode step (forerun.kernels.decode) hands to C."""
 
-    gemv: KQuantGemv
-    bias: Tensor | None  # fp32, contiguous
-    fp32_out: bool = False  # True: fp32 output whatever the input's dtype (logits)
-
-    @property
-    def k(self) -> int:
-        return self.gemv.k
-
-    @property
-    def n(self) -> int:
-        return self.gemv.n
-
-    def __call__(self, x: Tensor) -> Tensor:
-        y = self.gemv(x.float() if self.fp32_out else x)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
-
-
-@dataclass(frozen=True)
-class OrderedLinear:
-    """x -> x W^T + b over one weight's blocks on the GEMV that sums in the block matmul's order
-    (batch-invariant mode); like KQuantLinear, its fields are what the fused decode step hands to C."""
-
-    gemv: OrderedGemv
+    gemv: KQuantGemv | OrderedGemv
     bias: Tensor | None  # fp32, contiguous
     fp32_out: bool = False  # True: fp32 output whatever the input's dtype (logits)
 
@@ -80,7 +57,7 @@ class JoinedGemv:
     K-quant mix), each part on its own block GEMV and the outputs side by side; the fused decode
     step (forerun.kernels.decode) runs the parts into one output buffer the same way."""
 
-    parts: tuple[KQuantLinear, ...] | tuple[OrderedLinear, ...]  # without bias; each part's rows in order
+    parts: tuple[BlockGemvLinear, ...]  # without bias; each part's rows in order
     bias: Tensor | None  # fp32, contiguous, over all parts' outputs
 
     @property
@@ -98,16 +75,16 @@ class JoinedGemv:
         return y
 
 
-Small = CompactLinear | KQuantLinear | OrderedLinear | JoinedGemv
+Small = CompactLinear | BlockGemvLinear | JoinedGemv
 
 
 def small_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,
-                       fp32_out: bool) -> KQuantLinear | None:
+                       fp32_out: bool) -> BlockGemvLinear | None:
     """The GEMV for few rows over `weight`'s blocks as stored, or None where no kernel reads its format."""
     gemv = KQuantGemv.create(lib, weight.data, weight.fmt, weight.k)
     if gemv is None:
         return None
-    return KQuantLinear(gemv, None if bias is None else bias.detach().float().contiguous(), fp32_out)
+    return BlockGemvLinear(gemv, None if bias is None else bias.detach().float().contiguous(), fp32_out)
 
 
 def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: torch.dtype,
@@ -126,12 +103,12 @@ def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: to
 
 
 def ordered_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,
-                         fp32_out: bool = False) -> OrderedLinear | None:
+                         fp32_out: bool = False) -> BlockGemvLinear | None:
     """The GEMV for few rows over `weight`'s blocks that sums in the block matmul's order
     (forerun.kernels.block_matmul.OrderedGemv), or None where it cannot run."""
     if lib is None or not hasattr(lib, "gemv_ordered_f32") or not supports(weight.fmt, weight.k):
         return None
-    return OrderedLinear(OrderedGemv(lib, weight.data, weight.fmt, weight.k),
+    return BlockGemvLinear(OrderedGemv(lib, weight.data, weight.fmt, weight.k),
                          None if bias is None else bias.detach().float().contiguous(), fp32_out)
 
 

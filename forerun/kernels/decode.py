@@ -26,7 +26,8 @@ from torch import Tensor
 
 from forerun.kernels.attention import shape_supported
 from forerun.kernels.build import profiled
-from forerun.kernels.block_linear import JoinedGemv, OrderedLinear, Small
+from forerun.kernels.block_linear import JoinedGemv, Small
+from forerun.kernels.block_matmul import OrderedGemv
 from forerun.kernels.gemv import CompactLinear
 from forerun.kernels.ops import PARALLEL_MIN_ELEMENTS
 from forerun.kernels.types import DecodeBatch
@@ -104,7 +105,7 @@ def _matmul(lin: Small) -> _Matmul:
     m.parts = len(parts)
     for i, part in enumerate(parts):
         blocks = part.gemv.blocks
-        base = ORDERED_FMT if isinstance(part, OrderedLinear) else BLOCK_FMT
+        base = ORDERED_FMT if isinstance(part.gemv, OrderedGemv) else BLOCK_FMT
         m.w[i], m.group_bytes[i], m.fmt[i], m.n[i] = blocks.data_ptr(), blocks.shape[1], base + part.gemv.code, part.n
     return m
 

@@ -113,8 +113,9 @@ class KQuantGemv:
             return None
         return cls(lib, blocks, fmt, k)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: computed in fp32, rounded once)."""
+    def __call__(self, x: Tensor, fp32_out: bool = False) -> Tensor:
+        """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: computed in fp32, rounded once), or
+        the fp32 result with `fp32_out` (logits)."""
         if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
             raise ValueError(f"x: expected float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
         if x.shape[-1] != self.k:
@@ -127,4 +128,4 @@ class KQuantGemv:
                          flat.shape[0], self.k, self.n, self.isa, torch.get_num_threads())
         if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
             raise RuntimeError(f"gemv_kquant_f32 refused {self.fmt} k={self.k} (code {rc})")
-        return y.view(*lead, self.n).to(x.dtype)
+        return y.view(*lead, self.n) if fp32_out else y.view(*lead, self.n).to(x.dtype)

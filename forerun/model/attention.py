@@ -208,6 +208,15 @@ def _validate(query_lens: list[int], seq_lens: list[int], block_tables: Tensor, 
         raise ValueError(f"slot_mapping: expected [{sum(query_lens)}], got {tuple(slot_mapping.shape)}")
 
 
+def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> Tensor:
+    """The new tokens' K and V [T, kv_heads, d] into one layer's cache at their slots; returns the cache
+    viewed as [2, slots, kv_heads, d]."""
+    flat = kv_cache.view(2, -1, k.shape[1], k.shape[2])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+    return flat
+
+
 class AttentionBackend(Protocol):
     """Writes the new tokens' K/V into the paged cache, then attends each query over its context."""
 
@@ -228,10 +237,7 @@ class TorchSDPABackend:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None) -> Tensor:
         num_tokens, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        flat = kv_cache.view(2, -1, kv_heads, dim)
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        flat = write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.all_decode:
             return self._decode(q, kv_cache, meta, scale, window)
         out = q.new_empty(num_tokens, heads * dim)
@@ -246,7 +252,7 @@ class TorchSDPABackend:
                 ki, vi = flat.index_select(1, chunk.slots).unbind(0)
             res = F.scaled_dot_product_attention(
                 qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=heads != kv_heads)
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=heads != k.shape[1])
             out[chunk.start:chunk.end] = res[0].transpose(0, 1).reshape(chunk.end - chunk.start, heads * dim)
         return out
 
@@ -291,9 +297,7 @@ class NativeDecodeBackend(TorchSDPABackend):
         if not self.attention.accepts(q, kv_cache):
             raise ValueError(f"batch_invariant: the C attention kernel does not take q {q.dtype} "
                              f"{tuple(q.shape)} over a {kv_cache.dtype} cache")
-        flat = kv_cache.view(2, -1, k.shape[1], k.shape[2])
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
         return self.attention(q, kv_cache, meta.token_rows(), scale, window, split=False)
 
     def _decode(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
