@@ -203,3 +203,24 @@ def write_model_gguf(path: Path, model: torch.nn.Module, arch: str,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+LAYER_KEYS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def write_mixed_llama_gguf(path: Path, layer_types: tuple[gguf.GGMLQuantizationType, ...], seed: int,
+                           max_positions: int = 256) -> Path:
+    """A random 2-layer Llama (hidden 256, MLP 512, 4 heads / 2 KV heads of 64, tied embeddings in
+    Q8_0) with the tiny vocabulary, its layers' matrices in `layer_types` (one per LAYER_KEYS entry,
+    as a llama.cpp K-quant mix holds them), written to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=max_positions, rms_norm_eps=1e-5, rope_theta=50000.0,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    mix = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0}
+    for i in range(2):
+        mix.update({f"blk.{i}.{key}.weight": t for key, t in zip(LAYER_KEYS, layer_types, strict=True)})
+    write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", qtypes=mix, seed=seed)
+    return path

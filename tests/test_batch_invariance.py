@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_factory import tiny_vocab, write_model_gguf
-from transformers import LlamaConfig, LlamaForCausalLM
+from gguf_factory import write_mixed_llama_gguf
 
 from forerun import LLM
 from forerun.bench import invariance
@@ -47,18 +46,8 @@ def test_gguf_block_model_is_batch_invariant(tmp_path: Path, dtype: str) -> None
     lib = load_native_library(cache_dir() / "kernels")
     if dtype == "bfloat16" and (lib is None or "avx512" not in available_isas(lib, torch.bfloat16)):
         pytest.skip("bf16 batch invariance runs on AVX512_BF16 CPUs only; fp32 is tested everywhere")
-    config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=50000.0,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    keys = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    types = (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q6_K)
-    mix = {"token_embd.weight": Q.Q8_0}
-    for i in range(2):
-        mix.update({f"blk.{i}.{key}.weight": t for key, t in zip(keys, types)})
-    path = tmp_path / "mixed.gguf"
-    write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", qtypes=mix, seed=9)
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q6_K),
+                                  seed=9, max_positions=512)
     _check_invariant(path, dtype)
 
 

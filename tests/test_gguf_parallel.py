@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_factory import tiny_vocab, write_model_gguf
-from transformers import LlamaConfig, LlamaForCausalLM
+from gguf_factory import write_mixed_llama_gguf
 
 from forerun import LLM, SamplingParams
 from forerun.kernels.compact_weights import CompactWeight
@@ -18,7 +17,6 @@ from forerun.model.parallel import TPGroup
 
 PROMPTS = [[5, 77, 140, 3, 9, 200, 31], [100, 101, 102, 250], [42], list(range(60, 90))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-LAYER_KEYS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 # q/k/v in three formats (three matmuls joined), o in Q4_K: at TP 2 its 256 input columns split into
 # shards of 128, which would cut its 256-weight blocks.
 LAYER_TYPES = (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.Q4_K, Q.Q6_K)
@@ -26,17 +24,7 @@ LAYER_TYPES = (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.Q4_K, Q.Q6_K)
 
 @pytest.fixture(scope="module")
 def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    mix = {"token_embd.weight": Q.Q8_0}
-    for i in range(2):
-        mix.update({f"blk.{i}.{key}.weight": t for key, t in zip(LAYER_KEYS, LAYER_TYPES)})
-    path = tmp_path_factory.mktemp("kquant-parallel") / "m.gguf"
-    write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", qtypes=mix, seed=3)
-    return path
+    return write_mixed_llama_gguf(tmp_path_factory.mktemp("kquant-parallel") / "m.gguf", LAYER_TYPES, seed=3)
 
 
 def _tokens(path: Path, **kw) -> list[list[int]]:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_factory import tiny_vocab, write_model_gguf
-from transformers import LlamaConfig, LlamaForCausalLM
+from gguf_factory import write_mixed_llama_gguf
 
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
@@ -87,18 +85,8 @@ def test_fused_step_runs_packed_layers_in_several_formats(tmp_path, invariant):
     # As in SmolLM2's Q4_K_M file: q, k and v, and gate and up, are each in their own format, so the
     # packed matmuls are joined from one block GEMV a part, in C as in the module path. Batch-invariant
     # mode runs the GEMV that sums in the block matmul's order, and never splits attention.
-    config = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=50000.0,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    keys = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    types = (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_1, Q.Q6_K)
-    mix = {"token_embd.weight": Q.Q8_0}
-    for i in range(2):
-        mix.update({f"blk.{i}.{key}.weight": t for key, t in zip(keys, types)})
-    path = tmp_path / "mixed.gguf"
-    write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", qtypes=mix, seed=5)
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_1, Q.Q6_K),
+                                  seed=5)
     kw: dict = {"batch_invariant": True, "gemv_max_rows": None} if invariant else {}
     eager, _ = _run(path, eager=True, **kw)
     fused, calls = _run(path, eager=False, **kw)
