@@ -101,20 +101,20 @@ def compare(model: str | None, engine: dict[str, Any], targets: Sequence[Prompt]
     same_tokens = 0  # targets whose token ids alone equal (their logprobs may differ in the last bits)
     hits: list[int] = []
     distinct: set[int] = set()
-    for kind in ("greedy", "seeded"):
-        params = sampling(kind, max_tokens)
-        with LLM(model=model, **base) as llm:
-            reference = alone(llm, targets, params)
-            vocab = llm.tokenizer.vocab_size
-        distinct.update(t for tokens, _ in reference for t in tokens)
-        for name, (changes, warm) in runs.items():
-            with LLM(model=model, **{**base, **changes}) as llm:
+    kinds = {kind: sampling(kind, max_tokens) for kind in ("greedy", "seeded")}
+    with LLM(model=model, **base) as llm:  # one engine a run, each running both kinds
+        reference = {kind: alone(llm, targets, params) for kind, params in kinds.items()}
+        vocab = llm.tokenizer.vocab_size
+    distinct.update(t for outs in reference.values() for tokens, _ in outs for t in tokens)
+    for name, (changes, warm) in runs.items():
+        with LLM(model=model, **{**base, **changes}) as llm:
+            for kind, params in kinds.items():
                 if warm:
                     alone(llm, targets, params)  # fills the prefix cache with every target's whole blocks
                 got = amid(llm, targets, params, vocab, num_others, seed, hits if warm else None)
-            counts[name][kind] = sum(a == b for a, b in zip(got, reference))
-            same_tokens += sum(a[0] == b[0] for a, b in zip(got, reference))
-    compared = len(targets) * 2 * len(runs)
+                counts[name][kind] = sum(a == b for a, b in zip(got, reference[kind]))
+                same_tokens += sum(a[0] == b[0] for a, b in zip(got, reference[kind]))
+    compared = len(targets) * len(kinds) * len(runs)
     return {"targets": len(targets), "num_others": num_others, "max_tokens": max_tokens, "runs": counts,
             "identical": sum(n for per_run in counts.values() for n in per_run.values()), "compared": compared,
             "identical_tokens": same_tokens,
