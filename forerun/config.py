@@ -122,6 +122,9 @@ class EngineConfig:
     # GGUF quantized matrices: False keeps only the file's blocks; True adds a dense copy in the engine's
     # dtype for batched steps (more memory, faster where the block matmul is slower).
     dense_weights: bool = False
+    # GGUF legacy formats (Q4_0..Q8_0, IQ4_NL): True rounds the input of each small-batch matmul to 8 bits
+    # per 32 values and multiplies in integers, as llama.cpp does: faster at one request, not exact.
+    int8_activations: bool = False
     trace: bool = False  # record the step timeline
     # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -162,6 +165,11 @@ class EngineConfig:
             raise ValueError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant: expected a bool, got {self.batch_invariant!r}")
+        if not isinstance(self.int8_activations, bool):
+            raise ValueError(f"int8_activations: expected a bool, got {self.int8_activations!r}")
+        if self.batch_invariant and self.int8_activations:
+            raise ValueError("int8_activations: batch_invariant runs one matmul kernel for every row count, in "
+                             "fp32; 8-bit activations apply to small batches only")
         if self.batch_invariant and (self.gemv_max_rows is not None or self.dense_weights):
             raise ValueError("batch_invariant: chooses its own matmuls; gemv_max_rows and dense_weights do not "
                              "apply with it")

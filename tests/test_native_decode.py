@@ -80,19 +80,34 @@ def test_bf16_fused_step_matches_layer_by_layer_within_bf16_rounding(tmp_path, s
     assert worst <= BF16_LOGPROB_TOL, f"logprobs differ by {worst:.2e}"
 
 
-@pytest.mark.parametrize("invariant", [False, True])
-def test_fused_step_runs_packed_layers_in_several_formats(tmp_path, invariant):
+MIX = (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_1, Q.Q6_K)
+
+
+@pytest.mark.parametrize("mode", ["default", "invariant", "int8"])
+def test_fused_step_runs_packed_layers_in_several_formats(tmp_path, mode):
     # As in SmolLM2's Q4_K_M file: q, k and v, and gate and up, are each in their own format, so the
     # packed matmuls are joined from one block GEMV a part, in C as in the module path. Batch-invariant
-    # mode runs the GEMV that sums in the block matmul's order, and never splits attention.
-    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_1, Q.Q6_K),
-                                  seed=5)
-    kw: dict = {"batch_invariant": True, "gemv_max_rows": None} if invariant else {}
+    # mode runs the GEMV that sums in the block matmul's order, and never splits attention. With 8-bit
+    # activations the legacy parts (Q5_0, Q8_0, Q5_1) run that GEMV and the K-quant parts stay fp32.
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
+    kw: dict = {"default": {}, "invariant": {"batch_invariant": True, "gemv_max_rows": None},
+                "int8": {"int8_activations": True}}[mode]
     eager, _ = _run(path, eager=True, **kw)
     fused, calls = _run(path, eager=False, **kw)
     assert calls >= 12
     assert fused == eager  # token ids and every logprob, bit for bit
     assert len({t for tokens, _ in eager for t in tokens}) > 3  # the random model says more than one thing
+
+
+def test_int8_activations_change_results_within_their_rounding(tmp_path):
+    # The switch must act: 8-bit activations give other logprobs than fp32 (not bit-equal), yet close.
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
+    fp32, _ = _run(path, eager=False)
+    int8, _ = _run(path, eager=False, int8_activations=True)
+    assert int8 != fp32
+    worst, compared = _same_context_deviation(fp32, int8)
+    assert compared >= 40
+    assert worst <= 0.1, f"logprobs differ by {worst:.2e}"
 
 
 def test_no_fused_step_where_it_cannot_apply(tmp_path, smollm2_dir, caplog):
@@ -112,6 +127,8 @@ def test_enforce_eager_flag_and_validation():
     import argparse
 
     parser = add_engine_args(argparse.ArgumentParser())
+    assert engine_config_from_args(parser.parse_args(["--int8-activations"])).int8_activations is True
+    assert engine_config_from_args(parser.parse_args([])).int8_activations is False
     assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
     assert engine_config_from_args(parser.parse_args([])).enforce_eager is False
     with pytest.raises(ValueError, match="enforce_eager"):

@@ -15,7 +15,7 @@ _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
            "distributed_executor_backend", "runner",
            "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "enforce_eager",
            "batch_invariant",
-           "dense_weights", "speculative_config")
+           "dense_weights", "int8_activations", "speculative_config")
 
 
 def _on_off(value: bool) -> str:
@@ -121,6 +121,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CPU: a request's tokens and logprobs do not depend on what else runs with it, on "
                         "chunked prefill or on prefix-cache hits (fp32; slower, see docs/batch-invariance.md) "
                         f"(default: {_on_off(d.batch_invariant)})")
+    g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU, GGUF files in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL: small decode steps round "
+                        "each matmul's input to 8 bits per 32 values and multiply in integers, as llama.cpp "
+                        "does (faster at one request; results no longer equal the fp32 model's, see "
+                        f"docs/cpu-kernels.md) (default: {_on_off(d.int8_activations)})")
     return parser
 
 

@@ -91,6 +91,7 @@ class _Batch(ctypes.Structure):
 
 BLOCK_FMT = 256  # decode_layers.c: a format code at or above it names the block GEMV's ggml type
 ORDERED_FMT = 512  # decode_layers.c: ... the ordered GEMV's (batch-invariant mode)
+Q8_FMT = 768  # decode_layers.c: ... the GEMV over 8-bit activations (the int8_activations switch)
 
 
 def _matmul(lin: Small) -> _Matmul:
@@ -105,7 +106,8 @@ def _matmul(lin: Small) -> _Matmul:
     m.parts = len(parts)
     for i, part in enumerate(parts):
         blocks = part.gemv.blocks
-        base = ORDERED_FMT if isinstance(part.gemv, OrderedGemv) else BLOCK_FMT
+        base = (ORDERED_FMT if isinstance(part.gemv, OrderedGemv)
+                else Q8_FMT if part.gemv.int8_activations else BLOCK_FMT)
         m.w[i], m.group_bytes[i], m.fmt[i], m.n[i] = blocks.data_ptr(), blocks.shape[1], base + part.gemv.code, part.n
     return m
 

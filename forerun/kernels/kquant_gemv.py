@@ -5,6 +5,9 @@ weight is expanded in registers to exactly the fp32 value gguf's dequantizer giv
 fp32 activations, so the result is fp32 `x @ W.T` over the dequantized weights up to the order of the
 sums. That order is fixed per output, so a row's result never depends on the other rows passed with
 it nor on the thread count.
+With `int8_activations` the legacy formats (INT8_FORMATS) run `csrc/gemv_q8.c` instead: x is rounded
+to 8 bits per block of 32 and multiplied in integers, as llama.cpp does, faster at one row and no
+longer the fp32 result (within about 2^-8 of it); its order of sums is fixed too.
 Choosing this kernel over stock PyTorch (and falling back) is the caller's job.
 """
 
@@ -32,6 +35,8 @@ class BlockFormat(NamedTuple):
 FORMATS: dict[str, BlockFormat] = {
     name: BlockFormat(QUANT_FORMATS[name].ggml_type, QUANT_FORMATS[name].block_size, QUANT_FORMATS[name].block_bytes)
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
+# The formats the 8-bit-activation GEMV reads (the others keep fp32 activations under the switch).
+INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 # The kernel's paths: "auto" takes the widest one built for this CPU; the others exist to test them.
 ISAS: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 
@@ -77,9 +82,10 @@ def dequantize_blocks(lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int)
     return out
 
 
-def available_isas(lib: ctypes.CDLL) -> list[str]:
-    """The kernel paths built into `lib` for this CPU ("scalar" always)."""
-    bits = lib.gemv_kquant_isas_f32()
+def available_isas(lib: ctypes.CDLL, int8_activations: bool = False) -> list[str]:
+    """The kernel paths built into `lib` for this CPU ("scalar" always); the 8-bit-activation GEMV has
+    "scalar" and "avx2" (which uses AVX-512 VNNI's 256-bit dot product where the CPU has it)."""
+    bits = lib.gemv_q8_isas_f32() if int8_activations else lib.gemv_kquant_isas_f32()
     return [name for name, code in ISAS.items() if code and bits & (1 << code)]
 
 
@@ -92,26 +98,33 @@ class KQuantGemv:
     get None instead) and ValueError naming the field for input the kernel cannot run.
     """
 
-    def __init__(self, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int, isa: str = "auto") -> None:
+    def __init__(self, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int, isa: str = "auto",
+                 int8_activations: bool = False) -> None:
         if lib is None or not hasattr(lib, "gemv_kquant_f32"):
             raise RuntimeError("the C kernels are not built (forerun.kernels.build): use the stock PyTorch path")
         check_blocks(blocks, fmt, k)
+        if int8_activations and fmt not in INT8_FORMATS:
+            raise ValueError(f"fmt: {fmt} has no GEMV over 8-bit activations (those read {', '.join(INT8_FORMATS)})")
         if isa not in ISAS:
             raise ValueError(f"isa: {isa!r} is not one of {sorted(ISAS)}")
-        if isa != "auto" and isa not in available_isas(lib):
-            raise ValueError(f"isa: {isa!r} is not built for this CPU (built: {available_isas(lib)})")
+        built = available_isas(lib, int8_activations)
+        if isa != "auto" and isa not in built:
+            raise ValueError(f"isa: {isa!r} is not built for this CPU (built: {built})")
         spec = FORMATS[fmt]
-        self.fn = lib.gemv_kquant_f32
+        self.int8_activations = int8_activations
+        self.fn = lib.gemv_q8_f32 if int8_activations else lib.gemv_kquant_f32
         self.blocks = blocks.contiguous()
         self.fmt, self.k, self.n = fmt, k, blocks.shape[0]
         self.code, self.isa = spec.code, ISAS[isa]
 
     @classmethod
-    def create(cls, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int) -> KQuantGemv | None:
-        """The kernel for this weight, or None where it cannot run it (no library, format or k it lacks)."""
+    def create(cls, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int,
+               int8_activations: bool = False) -> KQuantGemv | None:
+        """The kernel for this weight, or None where it cannot run it (no library, format or k it lacks);
+        `int8_activations` applies where the format has that GEMV (INT8_FORMATS), else fp32 runs."""
         if lib is None or not hasattr(lib, "gemv_kquant_f32") or not supports(fmt, k):
             return None
-        return cls(lib, blocks, fmt, k)
+        return cls(lib, blocks, fmt, k, int8_activations=int8_activations and fmt in INT8_FORMATS)
 
     def __call__(self, x: Tensor, fp32_out: bool = False) -> Tensor:
         """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: computed in fp32, rounded once), or
@@ -123,9 +136,9 @@ class KQuantGemv:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.k).to(torch.float32).contiguous()  # bf16 -> fp32 is exact
         y = flat.new_empty(flat.shape[0], self.n)
-        with profiled("forerun::linear_kquant"):
+        with profiled("forerun::linear_q8" if self.int8_activations else "forerun::linear_kquant"):
             rc = self.fn(flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code, y.data_ptr(),
                          flat.shape[0], self.k, self.n, self.isa, torch.get_num_threads())
         if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
-            raise RuntimeError(f"gemv_kquant_f32 refused {self.fmt} k={self.k} (code {rc})")
+            raise RuntimeError(f"{self.fn.__name__} refused {self.fmt} k={self.k} (code {rc})")
         return y.view(*lead, self.n) if fp32_out else y.view(*lead, self.n).to(x.dtype)

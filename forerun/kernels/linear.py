@@ -12,6 +12,7 @@ and never names a kernel itself.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,7 @@ class LinearPlan:
     lib: ctypes.CDLL | None = None
     dense_copy: bool = False
     ordered_rows: int = 0  # batch-invariant mode: GGUF blocks of inputs up to this many rows on the ordered GEMV
+    int8_activations: bool = False  # GGUF blocks' GEMV rounds its input to 8 bits (legacy formats; not exact)
 
     @property
     def small_rows(self) -> int:
@@ -133,7 +135,8 @@ class LinearPlan:
             large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
         # Batch-invariant mode: at few rows the GEMV that sums in the block matmul's own order.
         make_small, rows = ((ordered_block_linear, self.ordered_rows) if self.ordered_rows > 0
-                            else (small_block_linear, self.gemv_rows))
+                            else (functools.partial(small_block_linear, int8_activations=self.int8_activations),
+                                  self.gemv_rows))
         if rows <= 0:
             return BuiltLinear(large, None, reads_dense=False)
         if len(blocks) == 1:

@@ -150,13 +150,16 @@ class Worker:
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
             plan = LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, 0, self.gemm, lib,
-                              config.dense_weights, ORDERED_ROWS if invariant else 0)
+                              config.dense_weights, ORDERED_ROWS if invariant else 0,
+                              int8_activations=config.int8_activations)
             gemv_rows = 0 if invariant else self._choose_gemv_rows(choice, plan)
             if choice.linear_kernel != "aten" or gemv_rows or self.model.holds_blocks():
                 on_gemv, total = self.model.use_linear_kernel(dataclasses.replace(plan, gemv_rows=gemv_rows))
                 if gemv_rows and self.rank == 0:
-                    logger.info("matmuls of up to %d rows read compact weights in fp32 arithmetic (%d of %d "
-                                "matmuls have an exact compact form)", gemv_rows, on_gemv, total)
+                    logger.info("matmuls of up to %d rows read compact weights in %s arithmetic (%d of %d "
+                                "matmuls have an exact compact form)", gemv_rows,
+                                "int8 (legacy GGUF formats) or fp32" if config.int8_activations else "fp32",
+                                on_gemv, total)
             # Batch-invariant mode keeps the one-call step in fp32 only: it runs fp32 between ops, which
             # the module path matches in fp32 (bit for bit), but not in bf16 (it rounds after each op).
             fused_ok = not invariant or self.dtype == torch.float32
@@ -251,9 +254,11 @@ class Worker:
             assert plan.gemv is not None and fmt is not None
             dtype = choice.torch_dtype
             if self.model.holds_blocks():
-                pair: MatmulPair = lambda w: (small_block_linear(plan.lib, w, None, False),  # noqa: E731
-                                              plan.build_blocks([w], None, dtype).matmul)
+                pair: MatmulPair = lambda w: (  # noqa: E731
+                    small_block_linear(plan.lib, w, None, False, plan.int8_activations),
+                    plan.build_blocks([w], None, dtype).matmul)
                 key = [plan.gemv.build, "blocks", plan.dense_copy, choice.linear_kernel]
+                key += ["int8"] if plan.int8_activations else []
             else:
                 pair, key = dense_pair(choice.linear_kernel, plan.gemv, dtype, self.gemm), [plan.gemv.build,
                                                                                              choice.linear_kernel]

@@ -22,19 +22,12 @@
  * are taken 4 (AVX2: 2) at a time over the whole row, so the group's bytes are re-read from cache.
  */
 #include "gguf_blocks.h"
+#include "sum_tree.h"
 
 enum { LANES = 16, MAX_ROWS = 16, GROUP = 4 };
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1024
 #endif
-
-/* 16 lanes added as the fixed tree the top of the file names. */
-static inline float tree16(const float s[16]) {
-    float t8[8], t4[4];
-    for (int l = 0; l < 8; l++) t8[l] = s[l] + s[l + 8];
-    for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
-    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
-}
 
 /* Portable path: one weight row at a time against up to MAX_ROWS rows of x. */
 static void gemv_scalar(int fmt, const float *x, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
@@ -68,12 +61,6 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
     const int64_t at = t < row ? t : GROUP * stride + t - row;
     for (int c = 0; c < GROUP; c++)
         for (int o = 0; o < (bs + 63) / 64; o++) _mm_prefetch((const char *)wr[c] + at + 64 * o, _MM_HINT_T0);
-}
-
-static inline float tree8_avx(__m256 s8) {
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 /* One group of 4 weight rows against RB rows of x (AVX2: 16 lanes = two registers). */

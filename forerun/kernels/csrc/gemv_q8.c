@@ -1,0 +1,300 @@
+/* y = x W^T for a few rows, with x rounded to 8-bit integers per block of 32, against the legacy GGUF
+ * blocks as the file stores them: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL. This is the engine's
+ * `int8_activations` switch, off by default.
+ *
+ * Why: at one decode row the fp32 block GEMV (gemv_kquant.c) is bound by expanding each weight to
+ * fp32, not by reading it. Here the weight's small integer codes multiply x's 8-bit codes in integers
+ * (AVX-512 VNNI's vpdpbusd: 64 products an instruction; AVX2's vpmaddubsw), and floats appear once
+ * per 4 weights, as llama.cpp does. The cost is precision: x keeps 8 bits a value per 32, so y is no
+ * longer fp32 `x @ W.T` but within about 2^-8 of it relative to the sizes of the terms.
+ *
+ * Arithmetic, the same on every path (scalar, AVX2, AVX-512), so the paths are bit-equal:
+ * - x, per block of 32: dx = max|x| / 127, q = x * (1 / dx) rounded to the nearest integer, ties to
+ *   even (dx = 0: q = 0).
+ * - A block's 32 weights are 8 lanes of 4 consecutive weights. The weight's signed code s (Q4_0:
+ *   q - 8, Q5_0: q - 16, Q4_1 / Q5_1: q, Q8_0: q, IQ4_NL: its level), so w = d s (+ m); a lane's
+ *   integer P = sum of s q over its 4 weights, exact.
+ * - Each output keeps 16 fp32 lanes: block b's 8 lanes go to lanes 0-7 when b is even, 8-15 when odd
+ *   (two chains, so consecutive blocks do not wait on each other's add). A lane adds
+ *   fma((float)P, d * dx, acc). The 16 lanes are added as sum_tree.h's fixed tree.
+ * - Q4_1 / Q5_1 also add the minimum's term m * dx * (sum of the block's 32 q): two fp32 sums, even and
+ *   odd blocks, each fma(m, dx * (float)sum, s) in block order; y = tree + (s_even + s_odd).
+ * The order depends on nothing but k, so a row's result does not depend on the other rows.
+ *
+ * x [rows, k] fp32; w [n, stride] bytes (rows of blocks, each row k / 32 blocks); y [rows, n], rows
+ * ldy apart. Weight rows are split over the caller's OpenMP threads; each weight row is decoded once
+ * for up to 4 rows of x. Every path works on 256-bit vectors: a block is one register, and at 256
+ * bits these CPUs issue integer and shuffle work on three ports, at 512 on two.
+ */
+#include <stdlib.h>
+
+#include "gguf_blocks.h"
+#include "sum_tree.h"
+
+enum { QK = 32, LANES = 16, TILE = 4 };
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1024
+#endif
+
+/* The formats this file reads. */
+static inline int q8_format(int fmt) {
+    return fmt == GGML_Q4_0 || fmt == GGML_Q4_1 || fmt == GGML_Q5_0 || fmt == GGML_Q5_1 || fmt == GGML_Q8_0 ||
+           fmt == GGML_IQ4_NL;
+}
+
+/* What the unsigned code u the vector paths build exceeds s by: u = s + offset, 0 <= u < 256. */
+static inline int code_offset(int fmt) {
+    switch (fmt) {
+        case GGML_Q4_0: return 8;
+        case GGML_Q5_0: return 16;
+        case GGML_Q8_0: case GGML_IQ4_NL: return 128;
+        default: return 0;
+    }
+}
+
+static inline int has_min(int fmt) { return fmt == GGML_Q4_1 || fmt == GGML_Q5_1; }
+
+/* Where a block's 16 bytes of nibbles (Q8_0: 32 bytes of codes) start, and its 32 high bits (Q5_*). */
+static inline int qs_at(int fmt) {
+    switch (fmt) {
+        case GGML_Q4_1: return 4;
+        case GGML_Q5_0: return 6;
+        case GGML_Q5_1: return 8;
+        default: return 2;
+    }
+}
+static inline int qh_at(int fmt) { return fmt == GGML_Q5_1 ? 4 : 2; }
+
+/* x quantized, one row after the other: q [k] codes; per block: dx and sx = dx * (float)(sum of its q);
+ * per lane of 4: ol = offset * (sum of the lane's q) (what unsigned codes add to P on the VNNI path). */
+typedef struct {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *ol;
+} qx_t;
+
+static void free_x(qx_t *qx) {
+    free(qx->q);
+    free(qx->dx);
+    free(qx->sx);
+    free(qx->ol);
+}
+
+static int quantize_x(const float *x, int64_t rows, int64_t k, int offset, qx_t *out) {
+    const int64_t blocks = rows * k / QK;
+    out->q = malloc((size_t)(rows * k));
+    out->dx = malloc(sizeof(float) * (size_t)blocks);
+    out->sx = malloc(sizeof(float) * (size_t)blocks);
+    out->ol = malloc(sizeof(int32_t) * (size_t)blocks * 8);
+    if (!out->q || !out->dx || !out->sx || !out->ol) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int8_t *qb = out->q + b * QK;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const float v = nearbyintf(xb[i] * id); /* the default rounding mode: ties to even */
+            qb[i] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+            sum += qb[i];
+        }
+        for (int l = 0; l < QK / 4; l++)
+            out->ol[b * 8 + l] = offset * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
+        out->dx[b] = d;
+        out->sx[b] = d * (float)sum;
+    }
+    return 0;
+}
+
+/* Weight i (0..31) of a block as its signed code s. */
+static inline int code_of(int fmt, const uint8_t *blk, int i) {
+    const uint8_t *qs = blk + qs_at(fmt);
+    if (fmt == GGML_Q8_0) return (int8_t)qs[i];
+    const int nib = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
+    if (fmt == GGML_IQ4_NL) return IQ4_LEVELS[nib];
+    int u = nib;
+    if (fmt == GGML_Q5_0 || fmt == GGML_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, blk + qh_at(fmt), 4);
+        u |= (int)((qh >> i) & 1u) << 4;
+    }
+    return u - (fmt == GGML_Q4_0 ? 8 : fmt == GGML_Q5_0 ? 16 : 0);
+}
+
+/* The two minimum sums added to the 16 lanes' tree, as the file's comment says. */
+static inline float finish(int fmt, float tree, const float ms[2]) { return has_min(fmt) ? tree + (ms[0] + ms[1]) : tree; }
+
+/* Portable path: one weight row against every row of x. */
+static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+                        int64_t rows, int64_t k, int64_t n, int nthreads) {
+    const int bs = block_bytes(fmt), nb = (int)(k / QK);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r = 0; r < rows; r++) {
+            float acc[LANES] = {0.f}, ms[2] = {0.f, 0.f};
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = w + j * stride + (int64_t)b * bs;
+                const int8_t *q = qx->q + r * k + (int64_t)b * QK;
+                const float scale = half(blk) * qx->dx[r * nb + b];
+                for (int l = 0; l < 8; l++) {
+                    int32_t p = 0;
+                    for (int i = 4 * l; i < 4 * l + 4; i++) p += code_of(fmt, blk, i) * q[i];
+                    acc[8 * (b & 1) + l] = fmaf((float)p, scale, acc[8 * (b & 1) + l]);
+                }
+                if (has_min(fmt)) ms[b & 1] = fmaf(half(blk + 2), qx->sx[r * nb + b], ms[b & 1]);
+            }
+            y[r * ldy + j] = finish(fmt, tree16(acc), ms);
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI 1
+#endif
+
+/* A block's 32 codes in weight order: unsigned u = s + code_offset for the nibble formats, signed s
+ * for Q8_0 and IQ4_NL. */
+static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const uint8_t *blk) {
+    const uint8_t *qs = blk + qs_at(fmt);
+    if (fmt == GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)qs);
+    /* The 16 bytes in both halves (a load), the high half shifted by 4: low nibbles then high ones. */
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    __m256i u = _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0xF));
+    if (fmt == GGML_IQ4_NL) {
+        const __m128i levels = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+        return _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), u);
+    }
+    if (fmt == GGML_Q5_0 || fmt == GGML_Q5_1) { /* bit i of qh into byte i's bit 4 */
+        uint32_t qh;
+        memcpy(&qh, blk + qh_at(fmt), 4);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                                   _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                     0x0101010101010101LL, 0));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return u;
+}
+
+/* 8 lanes of P = sum of s q over 4 weights. `c` as codes_avx2 gives it; `ol` the lanes' offset terms. */
+static inline __attribute__((always_inline)) __m256i lane_dots(int fmt, __m256i c, __m256i q, const int32_t *ol) {
+    const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
+#if defined(HAVE_VNNI)
+    if (is_signed) /* |s| as unsigned, q given s's sign */
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
+    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q);
+    return code_offset(fmt) ? _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol)) : p;
+#else
+    (void)ol; /* pairs of |s| q fit vpmaddubsw's 16 bits: |s| <= 128, |q| <= 127 */
+    const __m256i s = is_signed ? c : _mm256_sub_epi8(c, _mm256_set1_epi8((char)code_offset(fmt)));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(q, s));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+/* One weight row against RB rows of x; out[r] its output. */
+static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, const qx_t *qx, const int64_t xr[],
+                                                           const uint8_t *wrow, int64_t k, float out[]) {
+    const int bs = block_bytes(fmt), nb = (int)(k / QK);
+    __m256 acc[TILE][2];
+    float ms[TILE][2];
+    for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), ms[r][0] = ms[r][1] = 0.f;
+    /* Even and odd blocks in turn, so that each names its chain at compile time (a chain picked at run
+     * time is kept in memory, and every add then waits on a store). */
+    for (int b = 0; b < nb; b += 2) {
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+            if (b + h >= nb) break;
+            const uint8_t *blk = wrow + (int64_t)(b + h) * bs;
+            /* Weights stream from memory: ask for them PREFETCH_AHEAD bytes early (past the row's end this
+             * is the next row, which this thread takes next; a prefetch never faults). */
+            _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
+            const __m256i c = codes_avx2(fmt, blk);
+            const float d = half(blk), m = has_min(fmt) ? half(blk + 2) : 0.f;
+            for (int r = 0; r < RB; r++) {
+                const int64_t xb = xr[r] * nb + b + h;
+                const __m256i p = lane_dots(fmt, c, _mm256_loadu_si256((const __m256i *)(qx->q + xb * QK)),
+                                            qx->ol + xb * 8);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * qx->dx[xb]), acc[r][h]);
+                if (has_min(fmt)) ms[r][h] = fmaf(m, qx->sx[xb], ms[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < RB; r++) out[r] = finish(fmt, tree8_avx(_mm256_add_ps(acc[r][0], acc[r][1])), ms[r]);
+}
+#endif
+
+/* Calls ROW with the format and the tile's row count as compile-time constants (one specialized copy
+ * of the inner loop each). Only this file's formats reach it. */
+#define ROW_RB(ROW, F, rb, ...) \
+    (rb == 1 ? ROW(F, 1, __VA_ARGS__) : rb == 2 ? ROW(F, 2, __VA_ARGS__) : rb == 3 ? ROW(F, 3, __VA_ARGS__) \
+             : ROW(F, 4, __VA_ARGS__))
+#define ROW_FMT(ROW, fmt, rb, ...)                                                              \
+    do {                                                                                        \
+        switch (fmt) {                                                                          \
+            case GGML_Q4_0: { enum { F = GGML_Q4_0 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            case GGML_Q4_1: { enum { F = GGML_Q4_1 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            case GGML_Q5_0: { enum { F = GGML_Q5_0 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            case GGML_Q5_1: { enum { F = GGML_Q5_1 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            case GGML_Q8_0: { enum { F = GGML_Q8_0 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            default: { enum { F = GGML_IQ4_NL }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break;      \
+        }                                                                                       \
+    } while (0)
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The vector path: weight rows over the threads, each against the rows of x TILE at a time. */
+static void gemv_vector(int fmt, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+                        int64_t rows, int64_t k, int64_t n, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int rb = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+            int64_t xr[TILE] = {0};
+            float out[TILE] = {0.f};
+            for (int r = 0; r < rb; r++) xr[r] = r0 + r;
+            ROW_FMT(row_avx2, fmt, rb, qx, xr, w + j * stride, k, out);
+            for (int r = 0; r < rb; r++) y[(r0 + r) * ldy + j] = out[r];
+        }
+}
+#endif
+
+/* Bit i set when path i (ISA_SCALAR, ISA_AVX2) was built; the AVX2 path uses AVX-512 VNNI's 256-bit
+ * dot product where the CPU has it. */
+int gemv_q8_isas_f32(void) {
+    int isas = 1 << ISA_SCALAR;
+#if defined(__AVX2__) && defined(__FMA__)
+    isas |= 1 << ISA_AVX2;
+#endif
+    return isas;
+}
+
+/* y [rows, n] (rows ldy apart) = quantized x [rows, k] W^T. `isa`: ISA_BEST or one path. Returns 0;
+ * -1 for a format this file lacks or a k / stride / ldy that does not fit; -2 for a path not built;
+ * -3 when memory for quantized x runs out. */
+int gemv_q8_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
+                        int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
+    if (!q8_format(fmt) || !rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n) return -1;
+    const int isas = gemv_q8_isas_f32();
+    if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
+    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !(isas & (1 << isa))) return -2;
+    if (rows == 0 || n == 0) return 0;
+    qx_t qx;
+    if (quantize_x(x, rows, k, code_offset(fmt), &qx) != 0) {
+        free_x(&qx);
+        return -3;
+    }
+#if defined(__AVX2__) && defined(__FMA__)
+    if (isa == ISA_AVX2) gemv_vector(fmt, &qx, w, stride, y, ldy, rows, k, n, nthreads);
+    else
+#endif
+        gemv_scalar(fmt, &qx, w, stride, y, ldy, rows, k, n, nthreads);
+    free_x(&qx);
+    return 0;
+}
+
+/* y [rows, n] = quantized x [rows, k] W^T, y contiguous. */
+int gemv_q8_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows, int64_t k,
+                int64_t n, int isa, int nthreads) {
+    return gemv_q8_strided_f32(x, w, stride, fmt, y, n, rows, k, n, isa, nthreads);
+}
