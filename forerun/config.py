@@ -128,6 +128,12 @@ class EngineConfig:
     trace: bool = False  # record the step timeline
     # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # RL rollouts (vLLM's names): "module.Class" mixed into every worker, so `collective_rpc` can call
+    # its methods by name; sleep/wake_up allowed; "dummy" starts from random weights of the model's
+    # shapes (a trainer pushes its own with load_weights right after start).
+    worker_extension_cls: str | None = None
+    enable_sleep_mode: bool = False
+    load_format: str = "auto"
     extra: dict[str, object] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -181,6 +187,7 @@ class EngineConfig:
             raise ValueError(f"gemv_max_rows: expected a non-negative integer or None, got {self.gemv_max_rows!r}")
         if self.linear_kernel not in ("auto", "aten", "mkldnn", "native"):
             raise ValueError(f"linear_kernel: expected auto, aten, mkldnn or native, got {self.linear_kernel!r}")
+        self._validate_rl_options()
         validate_policy(self.prefill_decode_policy, self.split_interleave_steps)
         validate_scheduling_policy(self.scheduling_policy)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -189,6 +196,16 @@ class EngineConfig:
         if self.speculative_config is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1 yet")
         self.resolve_async_scheduling()
+
+    def _validate_rl_options(self) -> None:
+        """The options RL trainers set (worker_extension_cls, enable_sleep_mode, load_format)."""
+        ext = self.worker_extension_cls
+        if ext is not None and (not isinstance(ext, str) or "." not in ext.strip(".")):
+            raise ValueError(f"worker_extension_cls: expected a 'module.Class' name, got {ext!r}")
+        if not isinstance(self.enable_sleep_mode, bool):
+            raise ValueError(f"enable_sleep_mode: expected a bool, got {self.enable_sleep_mode!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: expected 'auto' or 'dummy', got {self.load_format!r}")
 
     @property
     def world_size(self) -> int:

@@ -54,6 +54,8 @@ class SamplingParams:
     # The token ids the engine bans as words: filled from `bad_words` when the request is submitted
     # (ids given here directly are banned too).
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's detokenize: False returns token ids only (text stays ""), as RL trainers want; no stop strings.
+    detokenize: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +110,9 @@ class SamplingParams:
         if self.stop is not None:
             _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                    "must be a non-empty string or a list of non-empty strings")
+        _check(isinstance(self.detokenize, bool), "detokenize", f"expected a bool, got {self.detokenize!r}")
+        _check(self.detokenize or not self.stop, "detokenize",
+               "stop strings are found in the text: with detokenize=False use stop_token_ids instead")
         if self.stop_token_ids is not None:
             _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                    "must be a list of non-negative integers")

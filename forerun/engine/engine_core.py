@@ -19,6 +19,7 @@ from forerun.core.request_queue import check_priority
 from forerun.core.scheduler import Scheduler, SchedulerConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.engine.step_trace import StepTrace
+from forerun.engine.trainer_calls import TrainerCalls
 from forerun.executor.factory import make_executor
 from forerun.outputs import EngineCoreOutput
 from forerun.request import EngineCoreRequest, Request, RequestStatus
@@ -42,8 +43,8 @@ class _InFlight:
     sample: Future | None  # None while sampling waits for a structured request's in-flight token
 
 
-class EngineCore:
-    """Owns the scheduler and the executor.
+class EngineCore(TrainerCalls):
+    """Owns the scheduler and the executor (and takes RL trainers' calls: forerun.engine.trainer_calls).
 
     Invariants: at most `queue_depth` steps are in flight (1 in sync mode, 2 in async mode; with
     pipeline stages `pipeline_parallel_size`, plus one in async mode) and they are applied in launch order;
@@ -93,6 +94,7 @@ class EngineCore:
         self.trace: StepTrace | None = StepTrace() if config.trace else None
         self._unsent_finished: set[str] = set()
         self._unsent_preempted: set[str] = set()
+        self.asleep: set[str] = set()  # sleep mode: which memory sleeps (no request runs meanwhile)
 
     def _size_kv_cache(self) -> Any:
         """Settle max_model_len and the block count with the workers, then allocate the cache.
@@ -113,6 +115,7 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, core_req: EngineCoreRequest) -> None:
         """Raises ValueError naming the field for a request this core cannot run; nothing else is touched."""
+        self.check_awake("generate")
         rid = core_req.request_id
         if rid in self.scheduler.requests or any(rid in s.sched.num_scheduled_tokens for s in self.batch_queue):
             # A step in flight would hand its token for the old request to the new one.

@@ -11,7 +11,8 @@ from forerun.engine.tokenizer import Tokenizer
 from forerun.request import EngineCoreRequest
 from forerun.sampling_params import SamplingParams, check_token_ids
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's dict form: {"prompt": text} or {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict
 
 
 class InputProcessor:
@@ -35,6 +36,8 @@ class InputProcessor:
         return f"req-{next(self._ids)}"
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            prompt = _from_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -98,6 +101,20 @@ class InputProcessor:
             raise ValueError(f"input: {len(ids)} tokens exceed the model's limit of {self.max_model_len}")
         params = SamplingParams(max_tokens=None, temperature=0.0)
         return text, ids, EngineCoreRequest(request_id, ids, params, frozenset(), time.monotonic(), pooling=True)
+
+
+def _from_dict(prompt: dict) -> str | list[int]:
+    """vLLM's prompt dicts: {"prompt_token_ids": [...]} (TokensPrompt) or {"prompt": "..."} (TextPrompt)."""
+    keys = set(prompt)
+    if keys == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids: expected a list of token ids, got {type(ids).__name__}")
+        return list(ids)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    raise ValueError(f"prompt: a dict prompt needs exactly one key, 'prompt_token_ids' (a list of ids) or "
+                     f"'prompt' (a string); got keys {sorted(keys)}")
 
 
 def child_id(parent: str, index: int) -> str:

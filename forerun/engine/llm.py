@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from tqdm import tqdm
 
@@ -101,6 +101,34 @@ class LLM:
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
+    # ---- RL trainers' calls (vLLM's names and meanings; forerun.engine.trainer_calls) ------------------
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Run `method` on every rank's worker and return one result per rank, in rank order: a worker
+        method's name (one of `worker_extension_cls`'s too), or a callable run as
+        `method(worker, *args, **kwargs)` (pickled with cloudpickle for worker processes). With
+        external_launcher every rank must make the call (each gets every rank's result)."""
+        return self.engine.core.collective_rpc(method, args, kwargs, timeout)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Update the weights in place from (Hugging Face parameter name, full tensor) pairs: each rank
+        takes its own tensor-parallel shard and pipeline stage, packed q/k/v and gate/up and the kernels'
+        weight copies are rebuilt, and the prefix cache is reset. A subset of the weights may be given.
+        ValueError for an unknown name or a wrong shape, and for a GGUF-quantized model."""
+        self.engine.core.load_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Needs enable_sleep_mode=True. Level 1 gives the KV cache's memory back to the OS (on CUDA the
+        weights move to the CPU); level 2 also drops the weights: load them again after wake_up."""
+        self.engine.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake "weights", "kv_cache" or (None) both; generation needs both awake."""
+        self.engine.core.wake_up(tags)
+
     def shutdown(self) -> None:
         """Stop the engine's workers; a second call does nothing (a `with` block after an explicit call)."""
         if not self._shut_down:
@@ -115,7 +143,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]

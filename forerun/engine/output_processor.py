@@ -17,6 +17,7 @@ class _Completion:
     out: CompletionOutput
     detok: IncrementalDetokenizer
     deferred: bool = False  # final-only without stop strings: the text is decoded once, at the end
+    detokenize: bool = True  # False (SamplingParams.detokenize): token ids only, the text stays ""
 
 
 @dataclass
@@ -51,7 +52,8 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                            params.stop or (), params.include_stop_str_in_output)
             lp = [] if params.logprobs is not None else None
-            children[cid] = _Completion(CompletionOutput(i, "", [], lp), detok, final_only and not params.stop)
+            children[cid] = _Completion(CompletionOutput(i, "", [], lp), detok,
+                                        (final_only and not params.stop) or not params.detokenize, params.detokenize)
             self._child_to_parent[cid] = request_id
         out = RequestOutput(request_id, prompt, prompt_ids, [c.out for c in children.values()])
         self._states[request_id] = _RequestState(out, children, time.monotonic(),
@@ -125,13 +127,14 @@ class OutputProcessor:
         detok = comp.detok
         if comp.deferred:  # nobody reads the text before the end; without stop strings the core cut the ids
             out.token_ids.extend(new_ids)
+            out.delta_token_ids = list(new_ids)
             if out.logprobs is not None and co.new_logprobs:
                 out.logprobs.extend(co.new_logprobs)
             if co.finish_reason is not None:
-                if out.token_ids:
+                if out.token_ids and comp.detokenize:
                     detok.update(out.token_ids)
-                detok.flush()
-                out.text = detok.text
+                    detok.flush()
+                    out.text = detok.text
                 out.finish_reason, out.stop_reason, out.error = co.finish_reason, co.stop_reason, co.error
             return
         # Several ids arrive at once when drafts were accepted: a stop string completed by one of them ends

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from forerun.config import EngineConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput
 from forerun.executor.base import Executor
+from forerun.worker.extension import with_extension
 from forerun.worker.worker import Worker
 
 
@@ -69,7 +70,8 @@ class ExternalLauncherExecutor(Executor):
                              f"launcher's WORLD_SIZE {world_size}")
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix=f"forerun-rank{rank}")
                       if config.async_scheduling else None)
-        self.worker = self._run(lambda: EveryRankWorker(config, model_folder, rank, world_size, "env://"))
+        worker_cls = with_extension(EveryRankWorker, config.worker_extension_cls)
+        self.worker = self._run(lambda: worker_cls(config, model_folder, rank, world_size, "env://"))
         # A CPU group of its own, so the engine thread can agree with the other ranks while this
         # rank's worker thread runs the forward's collectives on the default group.
         self._agree_group = dist.new_group(backend="gloo") if world_size > 1 else None
@@ -94,6 +96,15 @@ class ExternalLauncherExecutor(Executor):
         except Exception as exc:  # the caller sees it when it waits, as with a remote worker
             done.set_exception(exc)
         return done
+
+    def every_rank(self, results: list[Any]) -> list[Any]:
+        """This rank's result joined with every other rank's (all ranks make the same trainer calls in the
+        same order, as they make the same generate calls), so each rank sees one result per rank."""
+        if self._agree_group is None:
+            return results
+        gathered: list[Any] = [None] * dist.get_world_size(self._agree_group)
+        dist.all_gather_object(gathered, results[0], group=self._agree_group)
+        return gathered
 
     def all_ranks_true(self, flags: list[bool]) -> list[bool]:
         if self._agree_group is None or not flags:

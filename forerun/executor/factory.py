@@ -9,6 +9,9 @@ from forerun.executor.base import Executor
 
 
 def make_executor(config: EngineConfig, model_folder: Path) -> Executor:
+    if config.worker_extension_cls is not None:  # a clear error here, not one per worker process later
+        from forerun.worker.extension import import_class
+        import_class(config.worker_extension_cls)
     backend = config.distributed_executor_backend
     if backend == "uni":
         from forerun.executor.uni import UniExecutor

@@ -62,6 +62,8 @@ class MultiprocExecutor(Executor):
     process, thread or shared-memory segment behind.
     """
 
+    remote_workers = True
+
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
         if config.pipeline_parallel_size > 1:  # a clear error now rather than from every worker later
             from forerun.model.registry import check_pipeline_stages
@@ -322,11 +324,12 @@ def _worker_main(config: EngineConfig, model_folder: Path, rank: int, world_size
 def _build_worker(config: EngineConfig, model_folder: Path, rank: int, world_size: int, init_method: str):
     import torch
 
+    from forerun.worker.extension import with_extension
     from forerun.worker.worker import Worker
     if config.num_threads is None and not torch.cuda.is_available():
         # Ranks share the machine's cores; the default (all cores per rank) would oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    return Worker(config, model_folder, rank, world_size, init_method)
+    return with_extension(Worker, config.worker_extension_cls)(config, model_folder, rank, world_size, init_method)
 
 
 def _output_loop(out: queue.Queue, writer: ShmWriter, parent_pid: int) -> None:

@@ -64,10 +64,12 @@ class RayWorkerActor:
                     init_method: str, num_cpus: int) -> int:
         import torch
 
+        from forerun.worker.extension import with_extension
         from forerun.worker.worker import Worker
         if config.num_threads is None and not torch.cuda.is_available():
             torch.set_num_threads(max(1, num_cpus))  # the bundle's share, not the whole node
-        self.worker = Worker(config, model_folder, rank, world_size, init_method)
+        worker_cls = with_extension(Worker, config.worker_extension_cls)
+        self.worker = worker_cls(config, model_folder, rank, world_size, init_method)
         return os.getpid()
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -88,6 +90,8 @@ class RayExecutor(Executor):
     caller's calls to one actor in order); one resolver thread resolves the Futures in that order; an
     error or a dead actor fails that call and every later one, and from then on every call raises.
     """
+
+    remote_workers = True
 
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
         ray = _import_ray()

@@ -9,6 +9,7 @@ from typing import Any
 from forerun.config import EngineConfig
 from forerun.executor.base import Executor
 from forerun.platform import lower_model_thread_priority
+from forerun.worker.extension import with_extension
 from forerun.worker.worker import Worker
 
 
@@ -26,7 +27,8 @@ class UniExecutor(Executor):
     def __init__(self, config: EngineConfig, model_folder: Path) -> None:
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, thread_name_prefix="forerun-worker", initializer=lower_model_thread_priority)
-        self.worker = self._pool.submit(Worker, config, model_folder).result()
+        worker_cls = with_extension(Worker, config.worker_extension_cls)
+        self.worker = self._pool.submit(worker_cls, config, model_folder).result()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        non_block: bool = False) -> list[Any] | Future:

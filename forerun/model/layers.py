@@ -121,6 +121,7 @@ class PackableLinear(nn.Module):
     small: Small | None = None  # the matmul of inputs of at most `small_rows` rows, when set
     small_rows: int = 0
     _matmul: LinearFn | None = None
+    dense_shape: tuple[int, ...] | None = None  # the weight's shape once `use_kernel` freed it (updates refill it)
 
     def set_blocks(self, blocks: list[CompactWeight]) -> None:
         """Hold the weight as `blocks` (this rank's rows, parts in order) and free the dense one."""
@@ -148,6 +149,7 @@ class PackableLinear(nn.Module):
         self.small, self.small_rows = built.small, plan.small_rows if built.small is not None else 0
         self._matmul = built.matmul
         if not built.reads_dense and not keep_weight and self.blocks is None:
+            self.dense_shape = tuple(self.weight.shape)
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return built.small is not None
 

@@ -19,6 +19,7 @@ from forerun.model.attention import AttentionBackend, AttentionMetadata, NativeD
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.parallel import PPStage, TPGroup
+from forerun.model.weight_update import update_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,12 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = args.vocab_size
         self.max_position = args.max_position
         self.decode_layers: DecodeLayers | None = None  # set by use_decode_layers
+        # What built the kernels' weight copies, kept so an update in place rebuilds them the same way.
+        self.linear_plan: LinearPlan | None = None
+        self.decode_kernels: tuple[ctypes.CDLL, bool] | None = None
+        self.weights_loaded = False  # after the first full load, load_weights updates in place
+        self.packed_modules_mapping = _PACKED  # vLLM's name: HF projection -> (packed module, part)
+        self.pending_parts: dict[str, set[int]] = {}  # packed layers part-way through an update
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of ONE layer's cache: (2, num_blocks, block_size, num_kv_heads, head_dim)."""
@@ -267,14 +274,18 @@ class LlamaForCausalLM(nn.Module):
         Dense weights that only a packed matmul reads are freed; a tied LM head keeps the embedding's.
         Returns (matmuls reading a compact weight for small inputs, all matmuls)."""
         on_gemv = total = 0
+        self.linear_plan = plan
         for module in self.modules():
             if isinstance(module, PackableLinear):
-                tied = module is self.lm_head and self.args.tie_word_embeddings
-                # fp32 logits from the compact GEMV: `compute_logits` returns fp32, and rounding them to
-                # bf16 first makes near-ties exact ties.
-                on_gemv += module.use_kernel(plan, keep_weight=tied, fp32_out=module is self.lm_head)
+                on_gemv += self.use_kernel_for(module, plan)
                 total += 1
         return on_gemv, total
+
+    def use_kernel_for(self, module: PackableLinear, plan: LinearPlan) -> bool:
+        tied = module is self.lm_head and self.args.tie_word_embeddings
+        # fp32 logits from the compact GEMV: `compute_logits` returns fp32, and rounding them to
+        # bf16 first makes near-ties exact ties.
+        return module.use_kernel(plan, keep_weight=tied, fp32_out=module is self.lm_head)
 
     def compact_format(self) -> str | None:
         """The compact weight form most matmuls can read: the GGUF blocks' format where the weights are
@@ -295,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
         now on; call after `use_linear_kernel`. Returns why it cannot, or None when it does. `split`
         False: its attention never splits a context (batch-invariant mode)."""
         why = self._why_not_decode_layers()
+        self.decode_kernels = (lib, split)
         self.decode_layers = None if why else self._build_decode_layers(lib, split)
         return why
 
@@ -350,7 +362,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor | CompactWeight]]) -> None:
         """Load HF-named tensors: q/k/v and gate/up are packed, tensor-parallel shards are cut here. A
-        GGUF file's quantized matrices (CompactWeight) stay blocks, each module deciding how to hold them."""
+        GGUF file's quantized matrices (CompactWeight) stay blocks, each module deciding how to hold them.
+        Once loaded, later calls update in place (forerun.model.weight_update)."""
+        if self.weights_loaded:
+            update_in_place(self, weights)
+            return
         params = dict(self.named_parameters())
         done: dict[str, set[int]] = {}
         for name, tensor in weights:
@@ -384,6 +400,7 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n, _ in self.named_parameters() if len(done.get(n, ())) < _parts(self, n)]
         if missing:
             raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        self.weights_loaded = True
 
     def _lm_head_blocks(self) -> None:
         """An LM head whose table came as blocks multiplies by them: its own, or the embedding's when tied."""

@@ -13,6 +13,7 @@ from torch import Tensor
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.loader.weights import is_gguf_folder, iter_model_weights
 from forerun.model.attention import AttentionBackend, AttentionMetadata
+from forerun.model.dummy import init_dummy_weights
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
 from forerun.model.parallel import PPStage, TPGroup
@@ -70,11 +71,12 @@ def check_pipeline_stages(folder: Path, pp_size: int) -> None:
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup(),
                backend: AttentionBackend | None = None, pp_rank: int = 0, pp_size: int = 1,
-               keep_blocks: bool = True) -> CausalLM:
+               keep_blocks: bool = True, load_format: str = "auto") -> CausalLM:
     """Build the model for `folder`'s config.json on `device` in `dtype` and load its weights
     (attention through `backend`, stock PyTorch when None); with `pp_size` > 1 only pipeline stage
     `pp_rank`'s share of the layers. A GGUF file's quantized matrices stay blocks when `keep_blocks`
-    (their matmuls then need `use_linear_kernel`), else they are expanded to dense weights in `dtype`."""
+    (their matmuls then need `use_linear_kernel`), else they are expanded to dense weights in `dtype`.
+    `load_format` "dummy": random dense weights, the checkpoint unread."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"folder: no config.json in {folder}")
@@ -84,8 +86,11 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
     pp = PPStage.split(pp_rank, pp_size, args.num_layers) if pp_size > 1 else PPStage()
     with torch.device(device):
         model = cls(args, tp, backend, pp)
-    weights = iter_model_weights(Path(folder))
-    if is_gguf_folder(Path(folder)):
+    if load_format == "dummy":
+        model.to(dtype)
+        init_dummy_weights(model)
+    elif is_gguf_folder(Path(folder)):
+        weights = iter_model_weights(Path(folder))
         if not keep_blocks:
             weights = ((n, w.expand() if isinstance(w, CompactWeight) else w) for n, w in weights)
         # Loaded first, converted after: the matrices that stay blocks then never take dense memory.
@@ -93,7 +98,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
         model.to(dtype)
     else:
         model.to(dtype)
-        model.load_weights(weights)
+        model.load_weights(iter_model_weights(Path(folder)))
     model.requires_grad_(False).eval()
     if model.holds_blocks():
         logger.info("the GGUF file's quantized matrices are held as stored (%s mostly)", model.compact_format())

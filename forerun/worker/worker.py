@@ -9,7 +9,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -35,9 +35,12 @@ from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
+from forerun.model.weight_update import update_in_place
+from forerun.worker.extension import run_user_call
 from forerun.worker.model_runner import ModelRunner
 from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
 from forerun.worker.pp_runner import PipelineModelRunner
+from forerun.worker.sleep import SleepState
 from forerun.worker.stage_link import StageLink
 
 logger = logging.getLogger(__name__)
@@ -146,7 +149,7 @@ class Worker:
             # GGUF blocks are read by the C kernels only; elsewhere (CUDA, no compiler) they are expanded.
             self.model = load_model(self.folder, self.dtype, self.device, self.tp,
                                     None if lib is None else NativeDecodeBackend(lib, invariant), self.stage,
-                                    self.pp_size, keep_blocks=lib is not None)
+                                    self.pp_size, keep_blocks=lib is not None, load_format=config.load_format)
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
             plan = LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, 0, self.gemm, lib,
@@ -171,6 +174,7 @@ class Worker:
                                 f"layer by layer ({why_not})" if why_not else "all layers in one C call")
         self.runner: ModelRunner | None = None
         self._profiler: torch.profiler.profile | None = None
+        self.sleep_state = SleepState()
 
     def _tp_group(self, tp_size: int):
         """This stage's tensor-parallel process group (None: the default group, when there are no stages).
@@ -362,6 +366,31 @@ class Worker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    # ---- RL trainers' calls (vLLM's names): forerun.worker.extension, forerun.model.weight_update, sleep
+    def user_call(self, target: str | bytes | Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A trainer's `collective_rpc`: a method by name or a callable; its error comes back as a value."""
+        return run_user_call(self, target, args, kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Update this rank's shard of the named Hugging Face tensors in place; the names applied here."""
+        self.sleep_state.check_awake("load_weights", "weights")
+        if self.encoder_only:
+            raise ValueError("load_weights: not built for encoder (embedding) models")
+        return update_in_place(self.model, weights)
+
+    def sleep(self, level: int = 1) -> int:
+        """Give the KV cache's memory (and the weights' at level 2) back to the OS; the bytes freed."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep: needs an engine started with enable_sleep_mode=True")
+        return self.sleep_state.sleep(level, self.model, self._kv_caches(),
+                                      not self.encoder_only and self.model.holds_blocks())
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleep_state.wake_up(tags, self.model, self._kv_caches())
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        return list(getattr(self.runner, "kv_caches", ()))
 
     def shutdown(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
