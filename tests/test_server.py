@@ -199,13 +199,15 @@ def test_structured_outputs_field_on_both_endpoints(client, mode, spec):
 
 CHAT_REFUSALS = [
     ("bad role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    # tool_choice "auto" is the default with tools, and needs --enable-auto-tool-choice (as in vLLM).
+    ("tools without auto tool choice", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tool_choice"),
     ("tool_choice auto", {"tool_choice": "auto"}, "tool_choice"),
     ("functions", {"functions": [{"name": "f"}]}, "functions"),
     ("function_call", {"function_call": {"name": "f"}}, "function_call"),
-    ("parallel_tool_calls", {"parallel_tool_calls": False}, "parallel_tool_calls"),
-    ("tool_calls in a message", {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
-     "messages[0].tool_calls"),
+    ("parallel_tool_calls not a bool", {"parallel_tool_calls": "sometimes"}, "parallel_tool_calls"),
+    ("tool_calls in a user message", {"messages": [{"role": "user", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
     ("unknown field", {"frobnicate": 1}, "frobnicate"),
     ("guided_choice (vLLM's old name)", {"guided_choice": ["a"]}, "guided_choice"),
     ("vLLM option forerun lacks", {"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}},
@@ -287,7 +289,7 @@ def test_max_tokens_that_just_fits_runs_to_the_context(server):
 
 @pytest.mark.parametrize("kwargs,param", [({"add_generation_prompt": "x"}, "chat_template_kwargs"),
                                           ({"messages": 1}, "chat_template_kwargs"),
-                                          ({"tools": 5}, "tools")])
+                                          ({"tools": 5}, "chat_template_kwargs")])
 def test_chat_template_kwargs_refused_with_400(server, client, kwargs, param):
     # These reached the template as clashing or wrongly typed arguments: a TypeError, answered with 500.
     r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=server.headers,

@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
@@ -280,6 +281,18 @@ class Tokenizer:
                 raise ValueError(f"chat_template: syntax error at line {exc.lineno}: {exc.message}") from exc
             self._compiled[source] = compiled
         return compiled
+
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template (its `tool_use` variant when it has one) reads a `tools` variable;
+        servers spell tools out in text for one that does not."""
+        source = _select_template(self._chat_template, has_tools=True)
+        if source is None:
+            return False
+        try:
+            parsed = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols]).parse(source)
+        except jinja2.TemplateSyntaxError:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(parsed)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kw: Any) -> str:

@@ -43,8 +43,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of the uvicorn HTTP server, access log included (default: %(default)s)")
+    add_tool_args(parser)
     add_engine_args(parser)
     return parser
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for tool calls and reasoning (docs/tool-calling.md)."""
+    from forerun.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from forerun.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    g = parser.add_argument_group("tool calls and reasoning")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format, read out of its replies into message.tool_calls "
+                        "(default: none; tool_choice \"required\" and named functions work without one)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide whether to call a tool (tool_choice \"auto\", the default when "
+                        "tools are sent); needs --tool-call-parser (default: off: \"auto\" is refused with a 400)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> off the answer into message.reasoning_content (default: none)")
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -57,6 +73,8 @@ def run_serve(args: argparse.Namespace) -> None:
     args.api_key_file = None  # read; the key travels on as args.api_key only
     if not 0 < args.max_request_body_mb < float("inf"):
         raise SystemExit(f"forerun serve: --max-request-body-mb must be a number > 0, got {args.max_request_body_mb}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("forerun serve: --enable-auto-tool-choice needs --tool-call-parser (the model's call format)")
     warning = exposure_warning(args.host, args.api_key)
     if warning:
         logger.warning(warning)

@@ -26,6 +26,11 @@ from forerun.entrypoints.openai.protocol import ChatCompletionRequest, Completio
 from forerun.entrypoints.openai.serving_chat import OpenAIServingChat
 from forerun.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from forerun.entrypoints.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
+from forerun.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponsesRequest
+from forerun.entrypoints.openai.serving_tokenization import (DetokenizeRequest, DetokenizeResponse,
+                                                             OpenAIServingTokenization, TokenizeRequest,
+                                                             TokenizeResponse)
+from forerun.entrypoints.openai.tool_request import ChatParsing
 from forerun.loader.model_source import DEFAULT_MODEL_NAMES
 
 logger = logging.getLogger(__name__)
@@ -35,20 +40,23 @@ DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 
 
 def build_app(engine: AsyncLLM, names: ServedModelNames | str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, parsing: ChatParsing | None = None) -> FastAPI:
     """An app serving `engine` under `names` (one name, or a ServedModelNames with its aliases).
 
     The app owns the engine's life: its startup starts the output reader, its shutdown stops the core
     process. With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` (a liveness
     probe carries no key; /metrics and /docs would tell a stranger what runs here). A body over
-    `max_body_bytes` is refused (413) before any route reads it.
+    `max_body_bytes` is refused (413) before any route reads it. `parsing` holds the tool-call and
+    reasoning parsers chat responses are read with.
     """
     if isinstance(names, str):
         names = ServedModelNames([names])
     metrics = ServerMetrics(names.primary)
     completions = OpenAIServingCompletion(engine, names, metrics)
-    chat = OpenAIServingChat(engine, names, metrics)
+    chat = OpenAIServingChat(engine, names, metrics, parsing)
     embeddings = OpenAIServingEmbedding(engine, names, metrics)
+    tokenization = OpenAIServingTokenization(chat)
+    responses = OpenAIServingResponses(chat)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +102,19 @@ def build_app(engine: AsyncLLM, names: ServedModelNames | str, api_key: str | No
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         _require_generation(engine)
         return await chat.create(body, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        _require_generation(engine)
+        return await responses.create(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(body)
 
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
@@ -191,7 +212,10 @@ def run_server(args: argparse.Namespace) -> None:
             names = ServedModelNames.for_model(args.served_model_name, config.model, engine.model_folder,
                                                DEFAULT_MODEL_NAMES)
             max_body = int(getattr(args, "max_request_body_mb", DEFAULT_MAX_BODY_BYTES / 2**20) * 2**20)
-            app = build_app(engine, names, args.api_key, max_body_bytes=max_body)
+            parsing = ChatParsing(getattr(args, "tool_call_parser", None),
+                                  bool(getattr(args, "enable_auto_tool_choice", False)),
+                                  getattr(args, "reasoning_parser", None))
+            app = build_app(engine, names, args.api_key, max_body_bytes=max_body, parsing=parsing)
             uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                        timeout_graceful_shutdown=10)
             port = sockets[0].getsockname()[1]

@@ -71,11 +71,9 @@ def sse_error(exc: BaseException) -> str:
 
 # Fields clients send that forerun refuses (every unknown field is refused), with why and what instead.
 _UNSUPPORTED_HINTS = {
-    "tools": "tool calling is not supported by this server",
-    "functions": "function calling is not supported by this server",
-    "parallel_tool_calls": "tool calling is not supported by this server",
-    "tool_calls": "tool calling is not supported by this server",
-    "function_call": "function calling is not supported by this server",
+    "functions": "the deprecated function calling is not supported; use tools and tool_choice",
+    "function_call": "the deprecated function calling is not supported; use tools and tool_choice",
+    "prompt_logprobs": "the engine does not compute prompt logprobs yet",
     "guided_json": "use structured_outputs: {\"json\": ...} (vLLM's current name)",
     "guided_regex": "use structured_outputs: {\"regex\": ...} (vLLM's current name)",
     "guided_choice": "use structured_outputs: {\"choice\": [...]} (vLLM's current name)",

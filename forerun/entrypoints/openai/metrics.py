@@ -8,6 +8,7 @@ from forerun.engine.core_proc import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                  0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
@@ -59,6 +60,7 @@ class ServerMetrics:
         self.e2e = Histogram("forerun:e2e_request_latency_seconds", "End-to-end request latency", lbl,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.model_name = model_name
+        self.vllm = VllmMetrics(self.registry)
         self._last = EngineStats()
 
     def update_engine(self, s: EngineStats) -> None:
@@ -78,6 +80,7 @@ class ServerMetrics:
                                      (self.spec_accepted, s.num_spec_accepted_tokens,
                                       self._last.num_spec_accepted_tokens)):
             counter.labels(m).inc(max(0, now - before))
+        self.vllm.update_engine(m, s, self._last)
         if s.num_spec_draft_tokens:
             self.spec_acceptance.labels(m).set(s.num_spec_accepted_tokens / s.num_spec_draft_tokens)
             self.spec_mean_len.labels(m).set(1.0 + s.num_spec_accepted_tokens / max(1, s.num_spec_drafts))
@@ -94,6 +97,60 @@ class ServerMetrics:
             self.ttft.labels(m).observe(ttft)
             if output_tokens > 1:
                 self.tpot.labels(m).observe((e2e - ttft) / (output_tokens - 1))
+        self.vllm.observe_request(m, finish_reason, prompt_tokens, output_tokens, ttft, e2e)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """The same measurements under vLLM's metric names (`vllm:*`), so that vLLM's Grafana dashboards
+    work unchanged; forerun's own names stay. Only metrics forerun measures the same way are exposed."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        lbl = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches", lbl,
+                             registry=registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed", lbl,
+                             registry=registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", lbl,
+                              registry=registry)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions", lbl, registry=registry)
+        self.generated = Counter("vllm:generation_tokens", "Number of generation tokens processed", lbl,
+                                 registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed", lbl, registry=registry)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests",
+                               ["model_name", "finished_reason"], registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds", lbl,
+                              buckets=_LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds",
+                              lbl, buckets=_TPOT_BUCKETS, registry=registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds", lbl,
+                             buckets=_TPOT_BUCKETS, registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds", lbl,
+                             buckets=_LATENCY_BUCKETS, registry=registry)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed", lbl,
+                                        buckets=_TOKEN_COUNT_BUCKETS, registry=registry)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed",
+                                            lbl, buckets=_TOKEN_COUNT_BUCKETS, registry=registry)
+
+    def update_engine(self, m: str, s: EngineStats, last: EngineStats) -> None:
+        self.running.labels(m).set(s.num_running)
+        self.waiting.labels(m).set(s.num_waiting)
+        self.kv_usage.labels(m).set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        self.preemptions.labels(m).inc(max(0, s.num_preemptions - last.num_preemptions))
+        self.generated.labels(m).inc(max(0, s.num_generated_tokens - last.num_generated_tokens))
+
+    def observe_request(self, m: str, finish_reason: str, prompt_tokens: int, output_tokens: int,
+                        ttft: float | None, e2e: float) -> None:
+        self.success.labels(m, finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.request_prompt.labels(m).observe(prompt_tokens)
+        self.request_generation.labels(m).observe(output_tokens)
+        self.e2e.labels(m).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+            if output_tokens > 1:
+                mean = (e2e - ttft) / (output_tokens - 1)
+                self.tpot.labels(m).observe(mean)
+                self.itl.labels(m).observe(mean)

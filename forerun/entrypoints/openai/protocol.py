@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from forerun.entrypoints.openai.protocol_base import OpenAIModel, RequestModel, random_id
+from forerun.entrypoints.openai.protocol_tools import (ChatTool, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallIn,
+                                                       call_dict)
 from forerun.sampling_params import SamplingParams
 
 
 MAX_N = 128  # OpenAI's limit on completions per prompt; an unbounded n lets one request fill the server
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class OpenAIModel(BaseModel):
-    """A response body (or part of one)."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=())
-
-
-class RequestModel(OpenAIModel):
-    """A request body (or part of one). Unknown fields are refused (400 naming the field), never
-    dropped: a field a client sends is one it expects to act, and forerun cannot honour one it does
-    not know."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
 
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -92,6 +76,7 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[int] | None = None  # vLLM's extension
     bad_words: list[str] | None = None  # vLLM's extension
     priority: int = 0  # vLLM's extension: lower runs first, when served with --scheduling-policy priority
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens `token_id:N`
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -179,8 +164,9 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
-        if self.echo:
-            raise ValueError("echo: not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: with logprobs it would need the prompt's logprobs, which forerun does not "
+                             "compute; send echo without logprobs")
         if self.suffix:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -204,6 +190,7 @@ class ChatMessage(RequestModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -214,17 +201,29 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # Tool calling does not exist yet: these are declared only so that asking for nothing ("none") is
-    # accepted; anything else is refused in `check_tools` (tools, functions, parallel_tool_calls are
-    # unknown fields, refused with a 400 naming them).
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, read by `parsed_tool_choice`
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated function calling: only "none" is accepted (`functions` is an unknown field).
     function_call: Any = None
 
-    def check_tools(self) -> None:
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value is not None and value != "none":
-                raise ValueError(f"{name}: tool calling is not supported by this server (only \"none\" is accepted)")
+    def parsed_tool_choice(self) -> str | NamedToolChoice | None:
+        """`tool_choice` checked: ValueError naming it for anything but OpenAI's forms."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        if isinstance(choice, dict):
+            try:
+                return NamedToolChoice.model_validate(choice)
+            except ValueError:
+                pass
+        raise ValueError("tool_choice: must be \"none\", \"auto\", \"required\" or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+    def check_function_call(self) -> None:
+        if self.function_call is not None and self.function_call != "none":
+            raise ValueError("function_call: the deprecated function calling is not supported; "
+                             "use tools and tool_choice")
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -258,6 +257,10 @@ class ChatCompletionRequest(SamplingRequest):
                 msg["name"] = m.name
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise ValueError(f"messages[{i}].tool_calls: only assistant messages carry tool calls")
+                msg["tool_calls"] = [call_dict(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
             out.append(msg)
         return out
 
@@ -311,6 +314,8 @@ class ChatLogprobs(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -333,6 +338,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -73,6 +73,11 @@ class ServingBase:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_label(self, token_id: int, as_ids: bool) -> str:
+        """How a logprobs entry names a token: its text, or vLLM's `token_id:N` with
+        `return_tokens_as_token_ids` (some tokens are no whole character of text)."""
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+
 
 def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of one position (the entry holds the sampled token plus the top k)."""

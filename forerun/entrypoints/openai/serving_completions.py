@@ -31,11 +31,19 @@ class OpenAIServingCompletion(ServingBase):
             if req.stream:
                 # Wait for the first output so bad input still gets a plain 400, not a broken stream.
                 first = await run_until_disconnect(raw, anext(stream))
-                return StreamingResponse(self._stream(req, rid, first, stream), media_type="text/event-stream")
+                return StreamingResponse(self._stream(req, rid, first, stream, prompts),
+                                         media_type="text/event-stream")
             finals = await run_until_disconnect(raw, _collect(stream))
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(self._response(req, rid, [finals[i] for i in range(len(prompts))]).model_dump())
+        response = self._response(req, rid, [finals[i] for i in range(len(prompts))], prompts)
+        return JSONResponse(response.model_dump())
+
+    def _echo(self, req: CompletionRequest, prompt: str | list[int]) -> str:
+        """What `echo` puts before a completion: the prompt as sent (token ids decoded, special tokens kept)."""
+        if not req.echo:
+            return ""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
 
     async def _tokenize(self, prompts: list[str | list[int]], many: bool) -> list[list[int]]:
         """Token ids of every prompt: text is size-checked, then tokenized on a worker thread, as the
@@ -51,20 +59,23 @@ class OpenAIServingCompletion(ServingBase):
         encoded = iter(await self.limit.encode(texts) if texts else [])
         return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
-    def _response(self, req: CompletionRequest, rid: str, finals: list[RequestOutput]) -> CompletionResponse:
+    def _response(self, req: CompletionRequest, rid: str, finals: list[RequestOutput],
+                  prompts: list[str | list[int]]) -> CompletionResponse:
         choices, usage = [], UsageInfo()
         for i, out in enumerate(finals):
             usage.prompt_tokens += len(out.prompt_token_ids)
+            echo = self._echo(req, prompts[i])
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
-                lp = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
-                choices.append(CompletionChoice(index=i * req.n + c.index, text=c.text, logprobs=lp,
+                lp = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0, req.return_tokens_as_token_ids)
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=echo + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
 
     async def _stream(self, req: CompletionRequest, rid: str, first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      rest: AsyncIterator[tuple[int, RequestOutput]], prompts: list[str | list[int]]
+                      ) -> AsyncIterator[str]:
         created = int(time.time())
         usage = UsageInfo()
         offsets: dict[int, int] = {}  # choice index -> characters streamed so far (for text_offset)
@@ -79,9 +90,12 @@ class OpenAIServingCompletion(ServingBase):
                         continue
                     if c.finished:
                         ended.add(index)
-                    lp = self._delta_logprobs(c, req.logprobs, offsets.get(index, 0))
+                    text = c.delta_text
+                    if index not in offsets:  # this choice's first chunk
+                        text = self._echo(req, prompts[i]) + text
+                    lp = self._delta_logprobs(c, req.logprobs, offsets.get(index, 0), req.return_tokens_as_token_ids)
                     offsets[index] = offsets.get(index, 0) + len(c.delta_text)
-                    choice = CompletionChoice(index=index, text=c.delta_text, logprobs=lp,
+                    choice = CompletionChoice(index=index, text=text, logprobs=lp,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     yield sse(CompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
                 if out.finished:
@@ -97,22 +111,23 @@ class OpenAIServingCompletion(ServingBase):
             await rest.aclose()  # type: ignore[attr-defined]
         yield SSE_DONE
 
-    def _delta_logprobs(self, c: CompletionOutput, k: int | None, offset: int) -> CompletionLogprobs | None:
+    def _delta_logprobs(self, c: CompletionOutput, k: int | None, offset: int, as_ids: bool
+                        ) -> CompletionLogprobs | None:
         if k is None or c.logprobs is None:
             return None
         n = len(c.delta_token_ids)
-        return self._logprobs(c.delta_token_ids, c.logprobs[len(c.logprobs) - n:], k, offset)
+        return self._logprobs(c.delta_token_ids, c.logprobs[len(c.logprobs) - n:], k, offset, as_ids)
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None, k: int | None,
-                  offset: int) -> CompletionLogprobs | None:
+                  offset: int, as_ids: bool = False) -> CompletionLogprobs | None:
         if k is None or entries is None:
             return None
         out = CompletionLogprobs()
         for tid, entry in zip(token_ids, entries):
             text = self.token_text(tid)
-            out.tokens.append(text)
+            out.tokens.append(self.token_label(tid, as_ids))
             out.token_logprobs.append(entry.get(tid))
-            out.top_logprobs.append({self.token_text(t): lp for t, lp in top_logprobs(entry, max(k, 1))})
+            out.top_logprobs.append({self.token_label(t, as_ids): lp for t, lp in top_logprobs(entry, max(k, 1))})
             out.text_offset.append(offset)
             offset += len(text)
         return out
