@@ -33,7 +33,7 @@
 
 enum { QK = 32, LANES = 16, TILE = 4 };
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1024
+#define PREFETCH_AHEAD 4096
 #endif
 
 /* The formats this file reads. */
