@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from torch import Tensor
-
 from forerun.outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
+    # Only for annotations: the server's front end imports the engine, and must not pay torch's
+    # import (about 120 MB and a second) for calls only trainers make.
+    from torch import Tensor
+
     from forerun.config import EngineConfig
     from forerun.core.scheduler import Scheduler
     from forerun.executor.base import Executor
@@ -117,10 +119,12 @@ class TrainerCalls:
 def _batches(weights: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
     """Lists of pairs of about `max_bytes` each. A view is copied out first: pickling a tensor sends its
     whole storage, which for a slice of a large flat buffer is far more than the slice."""
+    import torch  # here, not at the top: see the TYPE_CHECKING import
+
     batch: list[tuple[str, Tensor]] = []
     size = 0
     for item in weights:
-        if not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[1], Tensor):
+        if not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[1], torch.Tensor):
             raise ValueError("load_weights: expected an iterable of (name, torch.Tensor) pairs")
         name, tensor = item
         tensor = tensor.detach().cpu()
