@@ -12,6 +12,9 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None = None
+    # With the first new token of a request that asked: one entry per prompt token (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank (1 = most likely)
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -53,6 +56,10 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token_id: logprob} holding
+    # the prompt token and the top k; `prompt_ranks` holds the prompt token's rank (1 = most likely).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 @dataclass

@@ -71,6 +71,10 @@ class Request:
         self.grammar: Any = None  # a structured-output matcher once compiled
         self.grammar_future: Any = None
         self.use_spec = True  # the scheduler may reserve draft slots for this request's decodes
+        # Filled by prompt position as prefill chunks report them; handed out with the first token.
+        asks = self.sampling_params.prompt_logprobs is not None and not self.pooling
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] * len(self.prompt_token_ids) if asks else None
+        self.prompt_ranks: list[int | None] | None = [None] * len(self.prompt_token_ids) if asks else None
         budget = max_model_len - len(self.prompt_token_ids)
         asked = self.sampling_params.max_tokens
         self.max_tokens = budget if asked is None else min(asked, budget)

@@ -36,6 +36,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: for every prompt token after the first, its logprob and the top k of the raw
+    # model distribution at that position. Such a request takes no prefix-cache hits (each position must
+    # be computed), and is refused with speculative decoding or pipeline parallelism.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # "cumulative": an output every step (text so far and this step's delta), for streaming;
     # "final_only": one output when the request ends (vLLM's FINAL_ONLY), what `LLM.generate` uses.
@@ -101,6 +105,8 @@ class SamplingParams:
                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         # A torch generator takes a 64-bit seed; n > 1 gives completion i the seed `seed + i`.
         _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed
                                      and self.seed + self.n - 1 < 2**64), "seed",

@@ -16,7 +16,7 @@ COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "t
                      "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "stream",
                      "stream_options", "response_format", "ignore_eos", "min_tokens", "skip_special_tokens",
                      "include_stop_str_in_output", "user", "logprobs", "echo", "suffix", "best_of",
-                     "structured_outputs", "guided_choice", "unknown_field"]
+                     "structured_outputs", "guided_choice", "prompt_logprobs", "unknown_field"]
 CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo", "suffix", "best_of")] + [
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "chat_template_kwargs",
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"]

@@ -24,3 +24,12 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
                 past = res.past_key_values
             outs.append(got)
     return outs
+
+
+def hf_prompt_logprobs(folder: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, [P - 1, V] float32 log_softmax of the logits at positions 0 .. P - 2: row j is the
+    distribution that prompt token j + 1 was drawn from."""
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1) for ids in prompts]

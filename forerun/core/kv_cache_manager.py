@@ -59,7 +59,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of a request that has no blocks yet, and how many tokens it covers."""
-        if not self.enable_caching or req.pooling:
+        # A request asking for prompt logprobs must compute every prompt position, as in vLLM.
+        if not self.enable_caching or req.pooling or req.prompt_logprobs is not None:
             return [], 0
         self._update_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

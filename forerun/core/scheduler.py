@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forerun.core.kv_cache_manager import KVCacheManager
+from forerun.core.prompt_logprobs import attach_prompt_logprobs, store_prompt_logprobs
 from forerun.core.request_queue import add_running, make_waiting_queue
 from forerun.core.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                            SchedulerOutput)
@@ -374,6 +375,7 @@ class Scheduler:
                     self.last_dead_token_req_ids.append(rid)
                 continue
             self._on_output(req, len(tokens), draft_slots.get(rid, 0) if draft_slots else 0)
+            store_prompt_logprobs(req, result, rid)
             if tokens and result.num_drafted and rid in result.num_drafted:
                 self._count_spec(result.num_drafted[rid], len(tokens) - 1)
             if req.pooling:
@@ -419,6 +421,7 @@ class Scheduler:
         if logprobs is not None:
             logprobs = logprobs[:len(new)]
         out = EngineCoreOutput(rid, new, logprobs, num_cached_tokens=req.num_cached_tokens)
+        attach_prompt_logprobs(req, out)
         if status is not None:
             self._finish(req, status)
             out.finish_reason = status.value

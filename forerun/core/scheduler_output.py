@@ -69,6 +69,16 @@ class StepTiming:
 
 
 @dataclass
+class PromptLogprobsPart:
+    """One step's prompt logprobs for one request: entries for prompt tokens start, start + 1, ...
+    (a chunked prefill reports one part per chunk)."""
+
+    start: int  # index of the first prompt token covered (>= 1: the first token has none)
+    entries: list[dict[int, float]]  # {prompt token: logprob, top k...}, as for sampled tokens
+    ranks: list[int]  # the prompt token's rank, 1 = most likely
+
+
+@dataclass
 class ModelRunnerOutput:
     """Sampled tokens per request (row order). A partial prefill chunk has an empty list; a decode row
     with drafts has the accepted drafts followed by the target's own token."""
@@ -77,6 +87,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[dict[int, float]]] | None = None  # per request, per new token: {token_id: logprob}
     sampled_ranks: dict[str, list[int]] | None = None
+    prompt_logprobs: dict[str, PromptLogprobsPart] | None = None  # rows asking, whose step covered prompt tokens
     pooled: dict[str, list[float]] | None = None  # pooling runner: one embedding per finished prompt
     num_drafted: dict[str, int] | None = None  # decode rows that had draft slots: drafts actually proposed
     timing: StepTiming | None = None

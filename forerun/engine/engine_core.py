@@ -135,6 +135,8 @@ class EngineCore(TrainerCalls):
                              f"max_model_len {self.max_model_len}")
         self.scheduler.check_fits(req)
         sp = core_req.sampling_params
+        if sp.prompt_logprobs is not None and (self.config.spec is not None or self.config.pipeline_parallel_size > 1):
+            raise ValueError("prompt_logprobs: not supported with speculative decoding or pipeline parallelism")
         if sp.structured_outputs is not None:
             req.grammar_future = self.structured_manager().submit(sp.structured_outputs)
             if self.config.spec is not None:

@@ -100,6 +100,8 @@ class OutputProcessor:
                     for sibling in output.outputs:
                         sibling.delta_text, sibling.delta_token_ids = "", []
             comp = state.children[rid]
+            if co.prompt_logprobs is not None and output.prompt_logprobs is None:  # n > 1: every child has them
+                output.prompt_logprobs, output.prompt_ranks = co.prompt_logprobs, co.prompt_ranks
             if comp.out.finish_reason is not None:
                 continue
             self._apply(comp, co, to_abort)

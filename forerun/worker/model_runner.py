@@ -16,6 +16,7 @@ from forerun.core.scheduler_output import (GrammarOutput, ModelRunnerOutput, Sch
 from forerun.model.attention import AttentionMetadata
 from forerun.worker.input_batch import InputBatch, RowState
 from forerun.worker.ngram_proposer import NgramProposer
+from forerun.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from forerun.worker.sampler import Sampler
 from forerun.worker.spec_sampler import SpecSampler
 from forerun.worker.sampling_inputs import build_sampling_metadata, grammar_bad_token_mask
@@ -35,6 +36,7 @@ class _StepInFlight:
     spans: list[tuple[str, float, float]]
     drafts: list[np.ndarray] | None = None  # per kept row, the drafts its logits verify (None: no drafts)
     num_drafted: dict[str, int] | None = None  # rows given draft slots: how many drafts were proposed
+    prompt_logprobs: PromptLogprobs | None = None  # rows asking for prompt logprobs whose step covered prompt tokens
 
 
 class ModelRunner:
@@ -129,9 +131,10 @@ class ModelRunner:
                 first = np.repeat(ends - counts, counts)
                 logits_idx = first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
+        prompt_lps = compute_prompt_logprobs(self.model.compute_logits, hidden, states, cu, self.batch.token_buf)
         spans.append(("forward", spans[-1][2], time.perf_counter()))
         num_drafted = None if drafts is None else {rid: len(d) for rid, d in drafts.items()}
-        self._step = _StepInFlight(req_ids, kept, logits, spans, row_drafts, num_drafted)
+        self._step = _StepInFlight(req_ids, kept, logits, spans, row_drafts, num_drafted, prompt_lps)
 
     def _propose(self, states: list[RowState], so: SchedulerOutput) -> dict[str, np.ndarray] | None:
         """Drafts for the rows given draft slots, written after each row's known tokens in `token_buf`."""
@@ -222,6 +225,12 @@ class ModelRunner:
         step = self._step
         assert step is not None, "sample_tokens called without execute_model"
         self._step = None
+        result = self._sample_step(step, grammar)
+        if step.prompt_logprobs is not None:
+            result.prompt_logprobs = step.prompt_logprobs.to_output()
+        return result
+
+    def _sample_step(self, step: _StepInFlight, grammar: GrammarOutput | None) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._flush_prev()
         timing = StepTiming(threading.current_thread().name, list(step.spans))

@@ -73,7 +73,6 @@ def sse_error(exc: BaseException) -> str:
 _UNSUPPORTED_HINTS = {
     "functions": "the deprecated function calling is not supported; use tools and tool_choice",
     "function_call": "the deprecated function calling is not supported; use tools and tool_choice",
-    "prompt_logprobs": "the engine does not compute prompt logprobs yet",
     "guided_json": "use structured_outputs: {\"json\": ...} (vLLM's current name)",
     "guided_regex": "use structured_outputs: {\"regex\": ...} (vLLM's current name)",
     "guided_choice": "use structured_outputs: {\"choice\": [...]} (vLLM's current name)",

@@ -77,6 +77,7 @@ class SamplingRequest(RequestModel):
     bad_words: list[str] | None = None  # vLLM's extension
     priority: int = 0  # vLLM's extension: lower runs first, when served with --scheduling-policy priority
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens `token_id:N`
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs, plus the top k per position
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -84,6 +85,8 @@ class SamplingRequest(RequestModel):
             raise ValueError("stream_options: only allowed when stream is true")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be an integer in [1, {MAX_N}], got {self.n}")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they come with the whole response
+            raise ValueError("prompt_logprobs: not available when stream is true")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -101,6 +104,7 @@ class SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured_outputs(),
             logit_bias=self._logit_bias(),
@@ -165,8 +169,8 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo: with logprobs it would need the prompt's logprobs, which forerun does not "
-                             "compute; send echo without logprobs")
+            raise ValueError("echo: with logprobs is not supported; send echo without logprobs (prompt_logprobs "
+                             "gives the prompt's logprobs)")
         if self.suffix:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -280,10 +284,23 @@ class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's Logprob, as `prompt_logprobs` carries it: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+# vLLM's shape: None for the first prompt token, then token id (as a string) -> its logprob, per position.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -333,6 +350,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIModel):

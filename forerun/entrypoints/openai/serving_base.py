@@ -15,6 +15,7 @@ from forerun.engine.input_processor import Prompt
 from forerun.entrypoints.openai.input_checks import TextLimit, check_unicode
 from forerun.entrypoints.openai.metrics import ServerMetrics
 from forerun.entrypoints.openai.model_names import ServedModelNames
+from forerun.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
 from forerun.outputs import RequestOutput
 from forerun.sampling_params import SamplingParams
 
@@ -77,6 +78,23 @@ class ServingBase:
         """How a logprobs entry names a token: its text, or vLLM's `token_id:N` with
         `return_tokens_as_token_ids` (some tokens are no whole character of text)."""
         return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+
+    def prompt_logprobs(self, out: RequestOutput, as_ids: bool) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` of a finished output: the prompt token's own rank, and each top-k
+        token's rank from its place in the entry (ties keep the first place)."""
+        if out.prompt_logprobs is None:
+            return None
+        ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
+        result: PromptLogprobs = []
+        for tid, entry, rank in zip(out.prompt_token_ids, out.prompt_logprobs, ranks):
+            if entry is None:
+                result.append(None)
+                continue
+            values = sorted(entry.values(), reverse=True)
+            result.append({str(t): PromptLogprob(logprob=lp, rank=rank if t == tid else values.index(lp) + 1,
+                                                 decoded_token=self.token_label(t, as_ids))
+                           for t, lp in entry.items()})
+        return result
 
 
 def top_logprobs(entry: dict[int, float], k: int) -> list[tuple[int, float]]:

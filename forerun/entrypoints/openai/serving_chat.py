@@ -124,7 +124,8 @@ class OpenAIServingChat(ServingBase):
                                       logprobs=self._logprobs(c.token_ids, c.logprobs, req.num_logprobs,
                                                               req.return_tokens_as_token_ids),
                                       finish_reason=_finish_reason(c, bool(calls)), stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=_usage(out))
+        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=_usage(out),
+                                      prompt_logprobs=self.prompt_logprobs(out, req.return_tokens_as_token_ids))
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, rid: str, first: RequestOutput,
                       rest: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:

@@ -65,10 +65,12 @@ class OpenAIServingCompletion(ServingBase):
         for i, out in enumerate(finals):
             usage.prompt_tokens += len(out.prompt_token_ids)
             echo = self._echo(req, prompts[i])
+            prompt_lps = self.prompt_logprobs(out, req.return_tokens_as_token_ids)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
                 lp = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0, req.return_tokens_as_token_ids)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=echo + c.text, logprobs=lp,
+                                                prompt_logprobs=prompt_lps,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
