@@ -19,6 +19,7 @@ import torch
 from forerun.kernels.block_matmul import ISAS, MODE_BF16, MODE_F32, BlockMatmul, OrderedGemv, available_isas
 from forerun.kernels.build import load_native_library
 from forerun.kernels.kquant_gemv import FORMATS
+from forerun.loader.model_source import cache_dir
 from test_kquant_gemv import _blocks, _reference
 
 ROWS = [1, 7, 64, 200]
@@ -26,8 +27,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory) -> ctypes.CDLL:
-    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
+def lib() -> ctypes.CDLL:
+    lib = load_native_library(cache_dir() / "kernels")  # one build, shared with the engine's
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return lib
 

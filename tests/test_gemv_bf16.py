@@ -19,6 +19,7 @@ from forerun.kernels.build import load_native_library
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemv import CompactGemv
 from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
+from forerun.loader.model_source import cache_dir
 from tests.gguf_factory import write_model_gguf
 from tests.test_gguf_convert import _tiny_model
 
@@ -29,8 +30,8 @@ BF16_LOGPROB_TOL = 0.15
 
 
 @pytest.fixture(scope="module")
-def gemv(tmp_path_factory) -> CompactGemv:
-    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
+def gemv() -> CompactGemv:
+    lib = load_native_library(cache_dir() / "kernels")  # one build, shared with the engine's
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return CompactGemv(lib)
 

@@ -18,6 +18,7 @@ import torch
 
 from forerun.kernels.build import load_native_library
 from forerun.kernels.kquant_gemv import FORMATS, KQuantGemv, available_isas, dequantize_blocks, supports
+from forerun.loader.model_source import cache_dir
 
 # Byte offsets of each block's fp16 fields (ggml-common.h): random bytes there could be inf or nan.
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
@@ -26,8 +27,8 @@ ROWS = [1, 2, 3, 7, 16]
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory) -> ctypes.CDLL:
-    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
+def lib() -> ctypes.CDLL:
+    lib = load_native_library(cache_dir() / "kernels")  # one build, shared with the engine's
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return lib
 

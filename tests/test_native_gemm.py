@@ -14,13 +14,14 @@ from forerun.kernels.linear import available_kernels, make_linear
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels import probe
+from forerun.loader.model_source import cache_dir
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def gemm(tmp_path_factory) -> PackedGemm:
-    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
+def gemm() -> PackedGemm:
+    lib = load_native_library(cache_dir() / "kernels")  # one build, shared with the engine's
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return PackedGemm(lib)
 

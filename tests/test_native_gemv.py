@@ -20,6 +20,7 @@ from forerun.kernels.linear import split_by_rows
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemv import CompactGemv
 from forerun.kernels import probe
+from forerun.loader.model_source import cache_dir
 from tests.conftest import save_tiny_model
 from tests.gguf_factory import write_model_gguf
 from tests.test_gguf_convert import _tiny_model
@@ -28,8 +29,8 @@ GGUF_FORMATS = ["Q8_0", "Q4_0", "Q4_1"]
 
 
 @pytest.fixture(scope="module")
-def gemv(tmp_path_factory) -> CompactGemv:
-    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
+def gemv() -> CompactGemv:
+    lib = load_native_library(cache_dir() / "kernels")  # one build, shared with the engine's
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return CompactGemv(lib)
 

@@ -12,11 +12,12 @@ from forerun import LLM, SamplingParams
 from forerun.model.attention import AttentionMetadata, TorchSDPABackend
 from forerun.model.attention import NativeDecodeBackend
 from forerun.kernels.build import load_native_library
+from forerun.loader.model_source import cache_dir
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory) -> NativeDecodeBackend:
-    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
+def native() -> NativeDecodeBackend:
+    lib = load_native_library(cache_dir() / "kernels")  # one build, shared with the engine's
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return NativeDecodeBackend(lib)
 

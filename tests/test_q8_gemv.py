@@ -22,12 +22,13 @@ import torch
 from forerun.config import EngineConfig
 from forerun.kernels.build import load_native_library
 from forerun.kernels.kquant_gemv import INT8_FORMATS, KQuantGemv, available_isas
+from forerun.loader.model_source import cache_dir
 from tests.test_kquant_gemv import _blocks, _reference
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory) -> ctypes.CDLL:
-    lib = load_native_library(tmp_path_factory.mktemp("kernels"))
+def lib() -> ctypes.CDLL:
+    lib = load_native_library(cache_dir() / "kernels")  # one build, shared with the engine's
     assert lib is not None, "gcc is on every machine of this project: the kernel must build"
     return lib
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from forerun.entrypoints.openai.protocol_base import OpenAIModel, RequestModel, random_id
+from forerun.entrypoints.openai.protocol_base import OpenAIModel, RequestModel
 from forerun.entrypoints.openai.protocol_tools import (ChatTool, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallIn,
                                                        call_dict)
 from forerun.sampling_params import SamplingParams

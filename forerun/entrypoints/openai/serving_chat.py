@@ -19,7 +19,8 @@ from forerun.entrypoints.openai.model_names import ServedModelNames
 from forerun.entrypoints.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                                  ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                                  ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,
-                                                 UsageInfo, random_id)
+                                                 UsageInfo)
+from forerun.entrypoints.openai.protocol_base import random_id
 from forerun.entrypoints.openai.serving_base import (SSE_DONE, ClientDisconnected, ServingBase,
                                                      run_until_disconnect, sse, top_logprobs)
 from forerun.entrypoints.openai.tool_prompt import template_inputs

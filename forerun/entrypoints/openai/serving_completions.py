@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from forerun.entrypoints.openai.errors import sse_error
 from forerun.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                                 CompletionRequest, CompletionResponse, UsageInfo, random_id)
+                                                 CompletionRequest, CompletionResponse, UsageInfo)
+from forerun.entrypoints.openai.protocol_base import random_id
 from forerun.entrypoints.openai.serving_base import (SSE_DONE, ClientDisconnected, ServingBase, indexed, merge,
                                                      run_until_disconnect, sse, top_logprobs)
 from forerun.outputs import CompletionOutput, RequestOutput

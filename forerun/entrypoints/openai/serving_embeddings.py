@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from forerun.engine.input_processor import Prompt
 from forerun.entrypoints.openai.errors import APIError
-from forerun.entrypoints.openai.protocol import OpenAIModel, RequestModel, random_id
+from forerun.entrypoints.openai.protocol_base import OpenAIModel, RequestModel, random_id
 from forerun.entrypoints.openai.serving_base import ClientDisconnected, ServingBase, run_until_disconnect
 from forerun.outputs import EmbeddingOutput
 

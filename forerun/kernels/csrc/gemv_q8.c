@@ -8,7 +8,8 @@
  * per 4 weights, as llama.cpp does. The cost is precision: x keeps 8 bits a value per 32, so y is no
  * longer fp32 `x @ W.T` but within about 2^-8 of it relative to the sizes of the terms.
  *
- * Arithmetic, the same on every path (scalar, AVX2, AVX-512), so the paths are bit-equal:
+ * Arithmetic, the same on both paths (portable; AVX2, with AVX-512 VNNI's dot product where the CPU
+ * has it), so the paths are bit-equal:
  * - x, per block of 32: dx = max|x| / 127, q = x * (1 / dx) rounded to the nearest integer, ties to
  *   even (dx = 0: q = 0).
  * - A block's 32 weights are 8 lanes of 4 consecutive weights. The weight's signed code s (Q4_0:
@@ -23,8 +24,8 @@
  *
  * x [rows, k] fp32; w [n, stride] bytes (rows of blocks, each row k / 32 blocks); y [rows, n], rows
  * ldy apart. Weight rows are split over the caller's OpenMP threads; each weight row is decoded once
- * for up to 4 rows of x. Every path works on 256-bit vectors: a block is one register, and at 256
- * bits these CPUs issue integer and shuffle work on three ports, at 512 on two.
+ * for up to 4 rows of x. The vector path works on 256-bit vectors: a block is one register, and at
+ * 256 bits these CPUs issue integer and shuffle work on three ports, at 512 on two.
  */
 #include <stdlib.h>
 
