@@ -43,14 +43,10 @@ static inline int q8_format(int fmt) {
            fmt == GGML_IQ4_NL;
 }
 
-/* What the unsigned code u the vector paths build exceeds s by: u = s + offset, 0 <= u < 256. */
+/* What the unsigned code u the vector paths build exceeds s by: u = s + offset, 0 <= u < 256 (the
+ * signed formats' codes move by 128; the others' by what the reference subtracts, gguf_blocks.h). */
 static inline int code_offset(int fmt) {
-    switch (fmt) {
-        case GGML_Q4_0: return 8;
-        case GGML_Q5_0: return 16;
-        case GGML_Q8_0: case GGML_IQ4_NL: return 128;
-        default: return 0;
-    }
+    return fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL ? 128 : offset_of(fmt);
 }
 
 static inline int has_min(int fmt) { return fmt == GGML_Q4_1 || fmt == GGML_Q5_1; }
@@ -120,7 +116,7 @@ static inline int code_of(int fmt, const uint8_t *blk, int i) {
         memcpy(&qh, blk + qh_at(fmt), 4);
         u |= (int)((qh >> i) & 1u) << 4;
     }
-    return u - (fmt == GGML_Q4_0 ? 8 : fmt == GGML_Q5_0 ? 16 : 0);
+    return u - offset_of(fmt);
 }
 
 /* The two minimum sums added to the 16 lanes' tree, as the file's comment says. */

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,44 @@ def content_of(parts: list[str]) -> str:
     response is layout). Stripping keeps the stream monotone: the strip of a prefix is a prefix of the
     strip of the whole."""
     return "".join(parts).strip()
+
+
+def tagged_calls(text: str, final: bool, start_tag: str, end_tag: str,
+                 call_of: Callable[[str, bool], ParsedCall | None]) -> ParsedTools:
+    """The calls of a format that writes each one between `start_tag` and `end_tag` (hermes, qwen3_xml);
+    `call_of(body, whole)` reads one block's text (`whole`: it is complete) and raises Malformed for a
+    block that is no call. A block left open at the end counts when its text is a whole call; a block
+    that is no call is content, markers included; a marker's possible start is held back mid-stream."""
+    parts: list[str] = []
+    calls: list[ParsedCall] = []
+    pos = 0
+    while True:
+        start = text.find(start_tag, pos)
+        if start < 0:
+            parts.append(text[pos:] if final else held_back(text[pos:], (start_tag,)))
+            break
+        parts.append(text[pos:start])
+        body_at = start + len(start_tag)
+        end = text.find(end_tag, body_at)
+        closed = end >= 0
+        body = text[body_at:end] if closed else text[body_at:]
+        if not (closed or final):
+            body = held_back(body, (end_tag,))
+        try:
+            call = call_of(body, final or closed)
+        except Malformed:
+            # No call, now or later: the block is text (when open, all of it so far is).
+            parts.append(text[start:end + len(end_tag)] if closed else text[start:])
+            if not closed:
+                break
+            pos = end + len(end_tag)
+            continue
+        if call is not None:
+            calls.append(call)
+        if not closed:
+            break
+        pos = end + len(end_tag)
+    return ParsedTools(content_of(parts), calls)
 
 
 def check_name(name: str, names: frozenset[str] | None) -> str:
@@ -157,4 +196,4 @@ def _is_json(raw: str) -> bool:
 
 
 __all__ = ["Incomplete", "Malformed", "ParsedCall", "ParsedTools", "ToolParser", "ToolSpec", "call_sequence",
-           "check_name", "content_of", "held_back", "object_call"]
+           "check_name", "content_of", "held_back", "object_call", "tagged_calls"]

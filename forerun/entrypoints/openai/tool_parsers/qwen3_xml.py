@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from forerun.entrypoints.openai.tool_parsers.base import (Malformed, ParsedCall, ParsedTools, ToolParser,
-                                                          check_name, content_of, held_back)
+                                                          check_name, tagged_calls)
 
 START, END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
@@ -35,34 +35,7 @@ class Qwen3XmlToolParser(ToolParser):
     """Invariant: see ToolParser; a block without `</function>` at the end is content."""
 
     def parse(self, text: str, final: bool) -> ParsedTools:
-        parts: list[str] = []
-        calls: list[ParsedCall] = []
-        pos = 0
-        while True:
-            start = text.find(START, pos)
-            if start < 0:
-                parts.append(text[pos:] if final else held_back(text[pos:], (START,)))
-                break
-            parts.append(text[pos:start])
-            end = text.find(END, start + len(START))
-            closed = end >= 0
-            body = text[start + len(START):end if closed else len(text)]
-            if not (closed or final):
-                body = held_back(body, (END,))
-            try:
-                call = self._call(body, final or closed)
-            except Malformed:
-                parts.append(text[start:end + len(END)] if closed else text[start:])
-                if not closed:
-                    break
-                pos = end + len(END)
-                continue
-            if call is not None:
-                calls.append(call)
-            if not closed:
-                break
-            pos = end + len(END)
-        return ParsedTools(content_of(parts), calls)
+        return tagged_calls(text, final, START, END, self._call)
 
     def _call(self, body: str, whole: bool) -> ParsedCall | None:
         m = _FUNCTION.match(body)
