@@ -54,6 +54,8 @@ SIGNATURES_F32 = {
     "dequant_rows": (_INT, [_PTR, _I64, _INT, _I64, _I64, _PTR, _INT]),
     "gemm_blocks": (_INT, [_PTR, _INT, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "gemm_blocks_isas": (_INT, [_INT]),
+    "gemm_lanes": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]),
+    "gemm_lanes_isas": (_INT, []),
     "gemv_ordered_isas": (_INT, []),
 }
 

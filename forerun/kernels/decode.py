@@ -90,7 +90,6 @@ class _Batch(ctypes.Structure):
 
 
 BLOCK_FMT = 256  # decode_layers.c: a format code at or above it names the block GEMV's ggml type
-ORDERED_FMT = 512  # decode_layers.c: ... the ordered GEMV's (batch-invariant mode)
 Q8_FMT = 768  # decode_layers.c: ... the GEMV over 8-bit activations (the int8_activations switch)
 
 
@@ -105,9 +104,10 @@ def _matmul(lin: Small) -> _Matmul:
         raise ValueError(f"parts: the fused decode step takes at most {MAX_PARTS} parts a matmul, got {len(parts)}")
     m.parts = len(parts)
     for i, part in enumerate(parts):
+        if isinstance(part.gemv, OrderedGemv):  # bf16 batch invariance, which runs layer by layer
+            raise ValueError("parts: the fused decode step runs fp32 only; the ordered bf16 GEMV is not in it")
         blocks = part.gemv.blocks
-        base = (ORDERED_FMT if isinstance(part.gemv, OrderedGemv)
-                else Q8_FMT if part.gemv.int8_activations else BLOCK_FMT)
+        base = Q8_FMT if part.gemv.int8_activations else BLOCK_FMT
         m.w[i], m.group_bytes[i], m.fmt[i], m.n[i] = blocks.data_ptr(), blocks.shape[1], base + part.gemv.code, part.n
     return m
 

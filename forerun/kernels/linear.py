@@ -98,8 +98,11 @@ class LinearPlan:
     gemm: PackedGemm | None = None
     lib: ctypes.CDLL | None = None
     dense_copy: bool = False
-    ordered_rows: int = 0  # batch-invariant mode: GGUF blocks of inputs up to this many rows on the ordered GEMV
+    ordered_rows: int = 0  # batch-invariant bf16: GGUF blocks of inputs up to this many rows on the ordered GEMV
     int8_activations: bool = False  # GGUF blocks' GEMV rounds its input to 8 bits (legacy formats; not exact)
+    # Batch-invariant mode: dense matrices run `kernel` alone (fp32 'native': one order at every row count);
+    # GGUF blocks keep their GEMV, whose order the lane matmul shares (bf16: the ordered pair instead).
+    invariant: bool = False
 
     @property
     def small_rows(self) -> int:
@@ -111,12 +114,12 @@ class LinearPlan:
         """The matmul x -> x W^T + b for this plan; `compact` is the checkpoint's own compact form of
         `weight` (GGUF blocks), else bf16 is tried where it holds the weight exactly. `fp32_out`: the
         compact matmul returns fp32 for bf16 inputs (the LM head, whose logits are used as fp32)."""
-        if self.ordered_rows > 0 and weight.dtype != torch.float32:
+        if self.invariant and weight.dtype != torch.float32:
             raise ValueError(f"batch_invariant: a dense {weight.dtype} matrix {tuple(weight.shape)} has no "
                              "batch-invariant kernel (only GGUF blocks do in bf16); use dtype float32")
         large = None if self.kernel == "aten" else make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         small = None
-        if self.gemv is not None and self.gemv_rows > 0:
+        if self.gemv is not None and self.gemv_rows > 0 and not self.invariant:
             small = self.gemv.linear(compact or CompactWeight.bf16_of(weight), bias, fp32_out)
         if small is not None:
             matmul = split_by_rows(small, large or (lambda x: F.linear(x, weight, bias)), self.gemv_rows)
@@ -133,7 +136,7 @@ class LinearPlan:
             large = make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         else:
             large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
-        # Batch-invariant mode: at few rows the GEMV that sums in the block matmul's own order.
+        # Batch-invariant bf16: at few rows the GEMV that sums in the bf16 block matmul's own order.
         make_small, rows = ((ordered_block_linear, self.ordered_rows) if self.ordered_rows > 0
                             else (functools.partial(small_block_linear, int8_activations=self.int8_activations),
                                   self.gemv_rows))

@@ -44,8 +44,8 @@ from forerun.worker.sleep import SleepState
 from forerun.worker.stage_link import StageLink
 
 logger = logging.getLogger(__name__)
-# Batch-invariant mode: GGUF matmuls of up to this many rows run the ordered GEMV, larger ones the block
-# matmul (the same sums). Measured on an avx512_bf16 Xeon, 2048 x 2048, 2 threads: at 1 and 4 rows the
+# Batch-invariant mode in bf16: GGUF matmuls of up to this many rows run the ordered GEMV, larger ones the
+# bf16 block matmul (the same sums). Measured on an avx512_bf16 Xeon, 2048 x 2048, 2 threads: at 1 and 4 rows the
 # GEMV took 0.35-0.6x the matmul's time in Q4_1, Q4_K, Q8_0 and Q6_K; at 8 rows 0.84-0.87x in the
 # first three and 1.37x in Q6_K; at 16 rows 1.6-2.4x.
 ORDERED_ROWS = 4
@@ -145,7 +145,10 @@ class Worker:
                 self._check_batch_invariant(lib)
             self.kernel_choice = choice = self._invariant_kernels() if invariant else self._choose_kernels()
             self.dtype = choice.torch_dtype
-            gemv = None if lib is None or invariant else CompactGemv(lib)
+            gemv = None if lib is None else CompactGemv(lib)
+            # bf16 invariance pairs the bf16 block matmul with a GEMV of its order; fp32 keeps the block
+            # GEMV, whose order the lane matmul shares, so its row crossover is measured as usual.
+            ordered = ORDERED_ROWS if invariant and self.dtype == torch.bfloat16 else 0
             # GGUF blocks are read by the C kernels only; elsewhere (CUDA, no compiler) they are expanded.
             self.model = load_model(self.folder, self.dtype, self.device, self.tp,
                                     None if lib is None else NativeDecodeBackend(lib, invariant), self.stage,
@@ -153,9 +156,9 @@ class Worker:
             if lib is not None:
                 self.model.use_native_ops(NativeOps(lib))
             plan = LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, 0, self.gemm, lib,
-                              config.dense_weights, ORDERED_ROWS if invariant else 0,
-                              int8_activations=config.int8_activations)
-            gemv_rows = 0 if invariant else self._choose_gemv_rows(choice, plan)
+                              config.dense_weights, ordered, int8_activations=config.int8_activations,
+                              invariant=invariant)
+            gemv_rows = 0 if ordered else self._choose_gemv_rows(choice, plan)
             if choice.linear_kernel != "aten" or gemv_rows or self.model.holds_blocks():
                 on_gemv, total = self.model.use_linear_kernel(dataclasses.replace(plan, gemv_rows=gemv_rows))
                 if gemv_rows and self.rank == 0:
@@ -251,6 +254,8 @@ class Worker:
         want = self.config.gemv_max_rows
         fmt = self.model.compact_format()
         usable = plan.gemv is not None and choice.torch_dtype in (torch.float32, torch.bfloat16) and fmt is not None
+        # Batch-invariant mode reads dense matrices with one kernel at every row count (LinearPlan.build).
+        usable = usable and (not plan.invariant or self.model.holds_blocks())
         if want is not None:  # the same on every rank: no collective needed
             return want if usable else 0
         rows = 0

@@ -24,8 +24,6 @@
 
 void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int fmt, const float *b, float *y,
                       int64_t rows, int64_t k, int64_t n, int nthreads);
-int gemv_ordered_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
-                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
 int gemv_kquant_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
 int gemv_q8_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
@@ -46,13 +44,11 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *c
 
 /* One matmul: on the compact-weight GEMV (the packed weight, its format and group size), or, where
  * fmt >= BLOCK_FMT, on the block GEMV over a GGUF file's rows of blocks as stored (w the rows,
- * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type), or, where fmt >= ORDERED_FMT, on
- * the GEMV that sums in the block matmul's order (batch-invariant mode; fmt - ORDERED_FMT the ggml
- * type), or, where fmt >= Q8_FMT, on the GEMV over 8-bit activations (the int8_activations switch;
- * fmt - Q8_FMT the ggml type). A weight packed from parts in
+ * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type), or, where fmt >= Q8_FMT, on the
+ * GEMV over 8-bit activations (the int8_activations switch; fmt - Q8_FMT the ggml type). A weight packed from parts in
  * different formats (q/k/v or gate/up of a K-quant mix) has one entry per part, each writing its n
  * columns of the output beside the previous part's. bias or NULL. */
-enum { BLOCK_FMT = 256, ORDERED_FMT = 512, Q8_FMT = 768, MAX_PARTS = 3 };
+enum { BLOCK_FMT = 256, Q8_FMT = 768, MAX_PARTS = 3 };
 typedef struct {
     int64_t parts;
     const uint8_t *w[MAX_PARTS];
@@ -111,9 +107,6 @@ static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, in
         if (m->fmt[p] >= Q8_FMT)
             gemv_q8_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - Q8_FMT), y + col, n, rows, k,
                                 m->n[p], 0, nthreads);
-        else if (m->fmt[p] >= ORDERED_FMT)
-            gemv_ordered_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - ORDERED_FMT), y + col, n, rows,
-                                     k, m->n[p], 0, nthreads);
         else
             gemv_kquant_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - BLOCK_FMT), y + col, n, rows,
                                     k, m->n[p], 0, nthreads);

@@ -40,6 +40,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "expand_f32.h"
 #include "gguf_blocks.h"
 #include "transpose16.h"
 #include "vec.h"
@@ -103,24 +104,6 @@ int gemm_blocks_isas_f32(int bf16) {
 }
 
 /* ---- Expanding weights into a tile ------------------------------------------------------------- */
-
-/* One weight row of k weights into out[0..k) fp32: gguf's values (see gguf_blocks.h). */
-static inline __attribute__((always_inline)) void expand_f32(int fmt, const uint8_t *row, int64_t k, float *out) {
-    const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    for (int64_t blk = 0; blk < k / bw; blk++) {
-        const uint8_t *p = row + blk * bs;
-        float a[16], b[16], *o = out + blk * bw;
-#if F32_PATH
-        block_maps_avx2(fmt, p, a, b);
-        UNROLL_RUNS
-        for (int v = 0; v < bw / 16; v++)
-            _mm512_store_ps(o + 16 * v, weights16_avx512(fmt, p, v, a[map_of(fmt, v)], b[map_of(fmt, v)]));
-#else
-        block_maps(fmt, p, a, b);
-        for (int v = 0; v < bw / 16; v++) weights16(fmt, p, v, a[map_of(fmt, v)], b[map_of(fmt, v)], o + 16 * v);
-#endif
-    }
-}
 
 /* One weight row into out[0..k) bf16, each the fp32 weight rounded to nearest even. vcvtne2ps2bf16
  * rounds the same way; it would flush a subnormal, but no weight is one (every weight is a multiple
