@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forerun import LLM
-from forerun.worker.worker import AUTO_DTYPES_ENV, auto_dtypes
+from forerun.worker.numerics import AUTO_DTYPES_ENV, auto_dtypes
 
 
 def test_auto_measures_fp32_and_bf16_unless_pinned():

@@ -1,7 +1,8 @@
-"""Batch-invariant mode (`batch_invariant=True`): a request's tokens and logprobs are the same bit for
-bit whether it runs alone, amid 63 random requests, with its prompt prefilled in small chunks, after
-a prefix-cache hit, or with async scheduling off; greedy and seeded alike, on dense weights and on
-GGUF blocks, and at tensor-parallel size 3. The runs are `forerun bench invariance`'s own."""
+"""Batch-invariant mode (`batch_invariant=True`; the default for GGUF files where the probe finds it
+cheap): a request's tokens and logprobs are the same bit for bit whether it runs alone, amid 63 random
+requests, with its prompt prefilled in small chunks, after a prefix-cache hit, or with async
+scheduling off; greedy and seeded alike, on dense weights and on GGUF blocks, and at tensor-parallel
+size 3. The runs are `forerun bench invariance`'s own."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from forerun.config import EngineConfig
 from forerun.kernels.block_matmul import available_isas
 from forerun.kernels.build import load_native_library
 from forerun.loader.model_source import cache_dir
+from forerun.kernels.block_probe import BF16_BLOCKS, FP32_BLOCKS, LANES, decide
+from forerun.worker import numerics
+from forerun.worker.numerics import AUTO_DTYPES_ENV
 from tests.conftest import save_tiny_model
 
 # 5 prompts of 3 to 45 tokens (several 16-token blocks, so prefix hits and chunks cut them).
@@ -39,16 +43,52 @@ def test_dense_model_is_batch_invariant(tmp_path: Path, smollm2_dir: Path) -> No
     _check_invariant(folder)
 
 
+def _mixed_gguf(tmp_path: Path) -> Path:
+    """A K-quant mix: q/k/v and gate/up packed from parts in several formats."""
+    return write_mixed_llama_gguf(tmp_path / "mixed.gguf", (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q6_K),
+                                  seed=9, max_positions=512)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gguf_block_model_is_batch_invariant(tmp_path: Path, dtype: str) -> None:
-    # A K-quant mix (q/k/v, gate/up in several formats), read through the block matmul and the GEMV
-    # that sums in its order, in fp32 and (on AVX512_BF16 CPUs) in bf16.
+    # fp32: the block GEMV and the lane matmul, one order of sums; bf16 (AVX512_BF16 CPUs): the bf16
+    # block matmul and the GEMV that sums in its order.
     lib = load_native_library(cache_dir() / "kernels")
     if dtype == "bfloat16" and (lib is None or "avx512" not in available_isas(lib, torch.bfloat16)):
         pytest.skip("bf16 batch invariance runs on AVX512_BF16 CPUs only; fp32 is tested everywhere")
-    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q6_K),
-                                  seed=9, max_positions=512)
-    _check_invariant(path, dtype)
+    _check_invariant(_mixed_gguf(tmp_path), dtype)
+
+
+@pytest.mark.parametrize("probe, settings, pinned, on", [
+    ((True, 1.0), {}, "", True),  # the lane matmul within 5% of the fastest: on unasked
+    ((True, 1.0), {"dtype": "float32"}, "", True),
+    ((False, 1.0), {}, "", False),  # fp32 block matmul more than 5% faster: off
+    ((False, 2.0), {}, "", False),  # bf16 block matmul faster: off, in bf16
+    ((True, 1.0), {}, "bfloat16", False),  # bf16 pinned: off
+    ((True, 1.0), {"batch_invariant": False}, "", False),
+    ((True, 1.0), {"int8_activations": True}, "", False),  # a setting it refuses keeps it off
+    ((True, 1.0), {"gemv_max_rows": 4}, "", False),
+])
+def test_batch_invariance_is_on_by_default_where_the_probe_finds_it_cheap(tmp_path: Path, monkeypatch, probe,
+                                                                          settings: dict, pinned: str,
+                                                                          on: bool) -> None:
+    cheap, bf16_speed = probe
+    gflops = {LANES: 100.0, FP32_BLOCKS: 100.0 if cheap else 120.0, BF16_BLOCKS: 100.0 * bf16_speed}
+    monkeypatch.setattr(numerics, "choose_block_dtype", lambda *a, **k: decide(gflops))
+    if pinned:
+        monkeypatch.setenv(AUTO_DTYPES_ENV, pinned)
+    with LLM(model=str(_mixed_gguf(tmp_path)), max_model_len=256, show_progress=False, **settings) as llm:
+        worker = llm.engine.core.executor.worker
+        assert worker.batch_invariant is on and worker.tp.ordered is on
+        want = torch.bfloat16 if pinned or bf16_speed > 1 and not settings else torch.float32
+        assert worker.dtype == want
+
+
+def test_a_dense_model_keeps_batch_invariance_off_unless_asked(tiny_llama_dir: Path) -> None:
+    # Dense matrices: invariance means forerun's fp32 GEMM for every row count, which is slower than
+    # oneDNN's bf16 where a CPU has it, so it is not turned on unasked.
+    with LLM(model=str(tiny_llama_dir), dtype="float32", show_progress=False) as llm:
+        assert llm.engine.core.executor.worker.batch_invariant is False
 
 
 def test_batch_invariant_refuses_what_it_cannot_keep(tiny_llama_dir: Path) -> None:

@@ -89,14 +89,14 @@ def test_bf16_inputs_are_widened_and_the_result_rounded_once(lib):
     assert mm(x).shape == (2, 5, n)
 
 
-def test_the_engine_runs_it_for_many_fp32_rows(lib):
-    """large_block_linear, the engine's batched GGUF matmul in fp32, is this kernel: a batch's rows are
-    the GEMV's bits, which is what lets batch-invariant mode keep the GEMV at one row."""
+def test_batch_invariant_mode_runs_it_for_many_fp32_rows(lib):
+    """large_block_linear in the GEMV's order, batch-invariant mode's batched GGUF matmul, is this kernel:
+    a batch's rows are the GEMV's bits, which is what lets the mode keep the GEMV at one row."""
     k, n = SHAPES["Q5_K"]
     raw = _blocks("Q5_K", n, k, seed=11)
     weight = CompactWeight("Q5_K", torch.from_numpy(raw), k)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(12))
-    got = large_block_linear(lib, weight, torch.float32)(x)
+    got = large_block_linear(lib, weight, torch.float32, gemv_order=True)(x)
     assert torch.equal(got, _alone(KQuantGemv(lib, weight.data, "Q5_K", k), x))
 
 

@@ -119,8 +119,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"(default: {_on_off(d.enforce_eager)})")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: a request's tokens and logprobs do not depend on what else runs with it, on "
-                        "chunked prefill or on prefix-cache hits (fp32; slower, see docs/batch-invariance.md) "
-                        f"(default: {_on_off(d.batch_invariant)})")
+                        "chunked prefill or on prefix-cache hits (fp32; see docs/batch-invariance.md) (default: "
+                        "on for GGUF files where the probe finds it within 5%% of the fastest batched matmuls "
+                        "on this CPU, off elsewhere)")
     g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU, GGUF files in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL: small decode steps round "
                         "each matmul's input to 8 bits per 32 values and multiply in integers, as llama.cpp "

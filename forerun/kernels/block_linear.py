@@ -2,9 +2,9 @@
 
 Few rows are bound by reading the weights: a GEMV reads the blocks as stored (forerun.kernels.
 kquant_gemv, every GGML format forerun reads). Many rows are bound by arithmetic: a matmul expands a
-tile of blocks at a time in cache and multiplies every row by it (forerun.kernels.lane_matmul, in the
-GEMV's own order of sums; forerun.kernels.block_matmul for bf16 products); where no C kernel reads a
-format the weight is expanded per call (correct, slow). Each part of a packed weight in its own
+tile of blocks at a time in cache and multiplies every row by it (forerun.kernels.block_matmul; in
+batch-invariant mode forerun.kernels.lane_matmul, in the GEMV's own order of sums); where no C kernel
+reads a format the weight is expanded per call (correct, slow). Each part of a packed weight in its own
 format (q/k/v of a K-quant mix) runs on its own and the outputs are joined.
 """
 
@@ -90,21 +90,24 @@ def small_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Ten
 
 
 def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: torch.dtype,
-                       fp32_out: bool = False) -> LinearFn:
+                       fp32_out: bool = False, gemv_order: bool = False) -> LinearFn:
     """The matmul for many rows over `weight`'s blocks, for inputs in `dtype` (fp32 out with
-    `fp32_out`): in fp32 arithmetic the lane matmul, which sums as the block GEMV does (so a row's
-    result does not depend on the row count); for bf16 inputs on a CPU with AVX512_BF16 the block
-    matmul's bf16 variant (elsewhere bf16 is emulated and fp32 arithmetic runs); without the C kernels
-    the weight expanded per call."""
-    lanes = LaneMatmul.create(lib, weight.data, weight.fmt, weight.k)
-    if lanes is None:
+    `fp32_out`): the block matmul (its bf16 variant only where the CPU has AVX512_BF16; elsewhere bf16
+    is emulated and the fp32 variant runs), or with `gemv_order` the lane matmul, which sums in fp32
+    exactly as the block GEMV does (a row's result then does not depend on the row count); without
+    the C kernels the weight expanded per call."""
+    if gemv_order:
+        lanes = LaneMatmul.create(lib, weight.data, weight.fmt, weight.k)
+        if lanes is not None:
+            return lambda x: lanes(x, fp32_out)
+    mm = BlockMatmul.create(lib, weight.data, weight.fmt, weight.k)
+    if mm is None:
         run = expanding_linear([weight], None, dtype)
         return (lambda x: run(x).float()) if fp32_out else run
     assert lib is not None
-    mm = BlockMatmul.create(lib, weight.data, weight.fmt, weight.k)
-    if dtype == torch.bfloat16 and mm is not None and "avx512" in available_isas(lib, torch.bfloat16):
-        return lambda x: mm(x, fp32_out)
-    return lambda x: lanes(x, fp32_out)
+    if dtype == torch.bfloat16 and "avx512" not in available_isas(lib, torch.bfloat16):
+        return lambda x: mm(x.float()) if fp32_out else mm(x.float()).to(x.dtype)
+    return lambda x: mm(x, fp32_out)
 
 
 def ordered_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,

@@ -135,7 +135,9 @@ class LinearPlan:
             weight = CompactWeight.expand_stacked(list(blocks), dtype)
             large = make_linear(weight, bias, self.kernel, self.batch_hint, self.gemm)
         else:
-            large = joined([large_block_linear(self.lib, b, dtype, fp32_out) for b in blocks], bias)
+            # Invariant fp32: the lane matmul, whose sums are the block GEMV's (bf16: the ordered pair).
+            gemv_order = self.invariant and self.ordered_rows == 0
+            large = joined([large_block_linear(self.lib, b, dtype, fp32_out, gemv_order) for b in blocks], bias)
         # Batch-invariant bf16: at few rows the GEMV that sums in the bf16 block matmul's own order.
         make_small, rows = ((ordered_block_linear, self.ordered_rows) if self.ordered_rows > 0
                             else (functools.partial(small_block_linear, int8_activations=self.int8_activations),

@@ -57,7 +57,7 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
     LM head) is timed as a narrower one counted more times: every candidate's weights are held at
     once, and a 1B model's full set would take gigabytes for a ranking that a slice gives as well.
     """
-    shapes = [_capped(k, n, count) for k, n, count in shapes]
+    shapes = [capped(k, n, count) for k, n, count in shapes]
     flops = sum(2.0 * batch * k * n * count for k, n, count in shapes)
     # Its own generator: the probe runs on rank 0 only and only when nothing is cached, so a draw from
     # torch's global RNG would leave rank 0 (and a first start) sampling another stream than the rest.
@@ -81,7 +81,7 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
 PROBE_MAX_ELEMENTS = 1 << 22
 
 
-def _capped(k: int, n: int, count: float) -> tuple[int, int, float]:
+def capped(k: int, n: int, count: float) -> tuple[int, int, float]:
     """(k, n, count) with n cut so that k * n <= PROBE_MAX_ELEMENTS, count raised to keep the FLOPs."""
     narrow = max(16, min(n, PROBE_MAX_ELEMENTS // k))
     return k, narrow, count * n / narrow
@@ -123,8 +123,8 @@ def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[
     build = gemm.build if gemm is not None and any(k == "native" for _, k in candidates) else None
     key = json.dumps([cpu_signature(), torch.__version__, torch.get_num_threads(), batch, shapes,
                       [(DTYPE_NAMES[d], k) for d, k in candidates], *([build] if build else [])])
-    cache = _read(cache_file)
-    cached = _choice_from(_fresh(cache.get(key)), [f"{DTYPE_NAMES[d]}/{k}" for d, k in candidates])
+    cache = read_cache(cache_file)
+    cached = _choice_from(fresh_entry(cache.get(key)), [f"{DTYPE_NAMES[d]}/{k}" for d, k in candidates])
     if cached is not None:
         return cached
     t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[
     logger.info("measured matmul speed in %.1f s", time.perf_counter() - t0)
     if cache_file is not None:
         cache[key] = {**asdict(choice), BUSY: busy}
-        _write(cache_file, cache)
+        write_cache(cache_file, cache)
     return choice
 
 
@@ -194,8 +194,8 @@ def choose_gemv_rows(shapes: list[tuple[int, int, int]], pair: MatmulPair, fmt: 
     `choose_kernels` under `key_parts` (what names the two kernels: their build, the batched kernel)."""
     key = json.dumps(["gemv_rows", *key_parts, cpu_signature(), torch.__version__, torch.get_num_threads(),
                       max_rows, shapes, fmt, DTYPE_NAMES[dtype]])
-    cache = _read(cache_file)
-    cached = _speedup_from(_fresh(cache.get(key)))
+    cache = read_cache(cache_file)
+    cached = _speedup_from(fresh_entry(cache.get(key)))
     if cached is not None:
         speedup = cached
     else:
@@ -204,7 +204,7 @@ def choose_gemv_rows(shapes: list[tuple[int, int, int]], pair: MatmulPair, fmt: 
         busy = busy or machine_busy()
         if cache_file is not None:
             cache[key] = {"speedup": speedup, BUSY: busy}
-            _write(cache_file, cache)
+            write_cache(cache_file, cache)
     return gemv_rows_from(speedup), speedup
 
 
@@ -230,7 +230,7 @@ def machine_busy() -> bool:
         return False
 
 
-def _fresh(entry: dict | None) -> dict | None:
+def fresh_entry(entry: dict | None) -> dict | None:
     """A cached entry without its bookkeeping, or None when it must be measured again: absent, or
     measured while the machine was busy and it is calm now (so a busy first start is not final)."""
     if not isinstance(entry, dict):
@@ -272,7 +272,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _read(path: Path | None) -> dict:
+def read_cache(path: Path | None) -> dict:
     if path is None or not path.is_file():
         return {}
     try:
@@ -282,7 +282,7 @@ def _read(path: Path | None) -> dict:
         return {}  # a damaged cache only costs one more measurement
 
 
-def _write(path: Path, data: dict) -> None:
+def write_cache(path: Path, data: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -49,6 +49,17 @@ def _format(entry: TensorEntry) -> QuantFormat:
     return fmt
 
 
+def main_quant_format(path: Path) -> str | None:
+    """The quantized format that holds the most weights of the file's matrices (what its matmuls mostly
+    read; a K-quant mix names its main type), or None when every matrix is a float type."""
+    counts: dict[str, int] = {}
+    for entry in read_index(path):
+        fmt = _BY_TYPE.get(entry.ggml_type)
+        if fmt is not None and fmt.name not in FLOAT_TYPES and len(entry.dims) == 2:
+            counts[fmt.name] = counts.get(fmt.name, 0) + entry.dims[0] * entry.dims[1]
+    return max(counts, key=lambda name: counts[name]) if counts else None
+
+
 def iter_gguf_weights(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, Tensor | CompactWeight]]:
     """(Hugging Face name, tensor) for every tensor of the GGUF file: float32 tensors for float types and
     1-D tensors, CompactWeight blocks for quantized matrices; q/k rows in Hugging Face's rotary order."""

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.loader.gguf_pointer import pointed_gguf
-from forerun.loader.gguf_weights import iter_gguf_weights
+from forerun.loader.gguf_weights import iter_gguf_weights, main_quant_format
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
@@ -40,3 +40,10 @@ def iter_model_weights(folder: Path) -> Iterator[tuple[str, Tensor | CompactWeig
 def is_gguf_folder(folder: Path) -> bool:
     """Whether the folder's weights come from a GGUF file (quantized matrices stay in their blocks)."""
     return pointed_gguf(folder) is not None
+
+
+def gguf_quant_format(folder: Path) -> str | None:
+    """The main quantized format of the folder's GGUF file (gguf_weights.main_quant_format), or None for
+    a folder of other weights or a GGUF file of float matrices only."""
+    path = pointed_gguf(folder)
+    return None if path is None else main_quant_format(path)

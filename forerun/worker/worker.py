@@ -9,7 +9,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -17,18 +17,15 @@ import torch.distributed as dist
 
 from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from forerun.kernels.attention import shape_supported
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.block_linear import small_block_linear
-from forerun.kernels.block_matmul import available_isas as block_isas
-from forerun.kernels.probe import (DTYPE_NAMES, KernelChoice, MatmulPair, choose_gemv_rows, choose_kernels,
+from forerun.kernels.probe import (DTYPE_NAMES, KernelChoice, MatmulPair, choose_gemv_rows,
                                    dense_pair, measure)
 from forerun.loader.model_source import cache_dir
-from forerun.loader.weights import is_gguf_folder
 from forerun.model.attention import NativeDecodeBackend
 from forerun.model.bert import load_bert
 from forerun.model.parallel import TPGroup
@@ -38,6 +35,7 @@ from forerun.platform import default_device, distributed_backend, parse_dtype
 from forerun.model.weight_update import update_in_place
 from forerun.worker.extension import run_user_call
 from forerun.worker.model_runner import ModelRunner
+from forerun.worker.numerics import NumericsChooser
 from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunner
 from forerun.worker.pp_runner import PipelineModelRunner
 from forerun.worker.sleep import SleepState
@@ -78,22 +76,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-AUTO_DTYPES_ENV = "FORERUN_AUTO_DTYPES"
-
-
-def auto_dtypes(environ: Mapping[str, str]) -> list[torch.dtype]:
-    """The dtypes `dtype="auto"` measures: fp32 and bf16, or those named in $FORERUN_AUTO_DTYPES
-    (comma-separated), so that a fleet of mixed CPUs can pin one choice and give the same tokens."""
-    names = [n.strip() for n in environ.get(AUTO_DTYPES_ENV, "").split(",") if n.strip()]
-    if not names:
-        return [torch.float32, torch.bfloat16]
-    by_name = {v: k for k, v in DTYPE_NAMES.items()}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"{AUTO_DTYPES_ENV}: unknown dtype {unknown[0]!r}; use {', '.join(by_name)}")
-    return [by_name[n] for n in names]
-
-
 class Worker:
     """Owns one rank's model runner. Every method is safe to call through `collective_rpc`.
 
@@ -124,7 +106,7 @@ class Worker:
                              f"does not match the {world_size} ranks started")
         self.stage, tp_rank = divmod(rank, tp_size)
         self.output_rank = world_size - tp_size
-        self.tp = TPGroup(tp_rank, tp_size, self._tp_group(tp_size), ordered=config.batch_invariant)
+        self.tp = TPGroup(tp_rank, tp_size, self._tp_group(tp_size))  # ordered: set once the mode is chosen
         self.hf_config = json.loads((self.folder / "config.json").read_text())
         self.encoder_only = config.runner == "pooling" and is_encoder_model(self.hf_config)
         self.gemm: PackedGemm | None = None
@@ -133,6 +115,7 @@ class Worker:
                 raise ValueError("tensor_parallel_size: encoder (embedding) models run on one rank")
             if config.batch_invariant:
                 raise ValueError("batch_invariant: not built for encoder (embedding) models; they run stock ops")
+            self.batch_invariant = False
             self.dtype = parse_dtype(config.dtype, self.device) or torch.float32
             self.kernel_choice = KernelChoice(DTYPE_NAMES[self.dtype], "aten", {})
             self.model = load_bert(self.folder, self.dtype, self.device)
@@ -140,11 +123,14 @@ class Worker:
             lib = self._native_library()
             if lib is not None:
                 self.gemm = PackedGemm(lib)
-            invariant = config.batch_invariant
-            if invariant:
-                self._check_batch_invariant(lib)
-            self.kernel_choice = choice = self._invariant_kernels() if invariant else self._choose_kernels()
+            numerics = NumericsChooser(config, self.hf_config, self.folder, self.device, rank, world_size,
+                                       tp_size, self._decode_batch(), self.gemm).choose(lib)
+            invariant = self.batch_invariant = numerics.invariant
+            self.tp = dataclasses.replace(self.tp, ordered=invariant)
+            self.kernel_choice = choice = numerics.choice
             self.dtype = choice.torch_dtype
+            if rank == 0:
+                logger.info("batch invariance: %s", "on" if invariant else "off")
             gemv = None if lib is None else CompactGemv(lib)
             # bf16 invariance pairs the bf16 block matmul with a GEMV of its order; fp32 keeps the block
             # GEMV, whose order the lane matmul shares, so its row crossover is measured as usual.
@@ -199,52 +185,9 @@ class Worker:
             raise ValueError("native_kernels: the C kernels could not be built (see the log)")
         return lib
 
-    def _check_batch_invariant(self, lib: ctypes.CDLL | None) -> None:
-        """Raise ValueError naming the field where batch-invariant mode cannot run."""
-        if self.device.type != "cpu":
-            raise ValueError("batch_invariant: CPU only; on CUDA forerun runs stock (batch-variant) kernels")
-        if lib is None:
-            raise ValueError("batch_invariant: needs forerun's C kernels (native_kernels on, a C compiler)")
-        fixed = parse_dtype(self.config.dtype, self.device)
-        bf16_blocks = is_gguf_folder(self.folder) and "avx512" in block_isas(lib, torch.bfloat16)
-        if fixed not in (None, torch.float32) and not (fixed == torch.bfloat16 and bf16_blocks):
-            raise ValueError(f"batch_invariant: runs in float32, or in bfloat16 over a GGUF file's blocks on a CPU "
-                             f"with AVX512_BF16; not {self.config.dtype} here")
-        c = self.hf_config
-        heads = c["num_attention_heads"]
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
-        if not shape_supported(heads, c.get("num_key_value_heads", heads), head_dim):
-            raise ValueError(f"batch_invariant: the C attention kernel does not take {heads} heads of {head_dim}")
-
-    def _invariant_kernels(self) -> KernelChoice:
-        """Batch-invariant mode's fixed choice: fp32 (or bf16 as asked, GGUF blocks only) with dense
-        matrices on forerun's packed fp32 GEMM, whose sum over k for each output runs in order whatever
-        the number of rows (GGUF blocks: the block matmul, the same in either dtype)."""
-        dtype = parse_dtype(self.config.dtype, self.device) or torch.float32
-        # bf16 (GGUF blocks only): no dense matmul may run; LinearPlan.build refuses one in this mode.
-        return KernelChoice(DTYPE_NAMES[dtype], "native" if dtype == torch.float32 else "aten", {})
-
     def _decode_batch(self) -> int:
         """The batch size the matmul choice is tuned for: a full decode step, capped where GEMMs saturate."""
         return min(self.config.max_num_seqs, 64)
-
-    def _choose_kernels(self) -> KernelChoice:
-        """dtype and matmul kernel: fixed ones as given, `auto` measured on this CPU (rank 0 decides)."""
-        fixed = parse_dtype(self.config.dtype, self.device)
-        kernels = None if self.config.linear_kernel == "auto" else [self.config.linear_kernel]
-        if self.device.type != "cpu":
-            return KernelChoice(DTYPE_NAMES[fixed or torch.bfloat16], "aten", {})
-        if self.rank == 0:
-            choice = choose_kernels(model_matmul_shapes(self.hf_config, self.tp.size), self._decode_batch(),
-                                    [fixed] if fixed else auto_dtypes(os.environ), kernels,
-                                    cache_dir() / "cpu_probe.json", self.gemm)
-        if self.world_size > 1:  # every rank must run the same dtype, or the collectives mismatch
-            box = [choice if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            choice = box[0]
-        if self.rank == 0 and choice.gflops:
-            logger.info("CPU matmuls: %s", choice.describe())
-        return choice
 
     def _choose_gemv_rows(self, choice: KernelChoice, plan: LinearPlan) -> int:
         """Up to how many rows matmuls read compact weights with a GEMV (a bf16 engine's activations
