@@ -77,6 +77,8 @@ def test_batch_invariance_is_on_by_default_where_the_probe_finds_it_cheap(tmp_pa
     monkeypatch.setattr(numerics, "choose_block_dtype", lambda *a, **k: decide(gflops))
     if pinned:
         monkeypatch.setenv(AUTO_DTYPES_ENV, pinned)
+    else:  # a pin in the caller's environment (a fleet's float32) is not this case
+        monkeypatch.delenv(AUTO_DTYPES_ENV, raising=False)
     with LLM(model=str(_mixed_gguf(tmp_path)), max_model_len=256, show_progress=False, **settings) as llm:
         worker = llm.engine.core.executor.worker
         assert worker.batch_invariant is on and worker.tp.ordered is on

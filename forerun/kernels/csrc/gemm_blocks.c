@@ -42,6 +42,7 @@
 
 #include "expand_f32.h"
 #include "gguf_blocks.h"
+#include "gemm_store.h"
 #include "transpose16.h"
 #include "vec.h"
 
@@ -168,51 +169,6 @@ static void pack_x(const uint32_t *x, int64_t rows, int64_t m, int64_t g0, int64
             }
         }
 #endif
-    }
-}
-
-/* fp32 -> bf16, to nearest even; NaN stays a (quiet) NaN, as torch rounds. */
-static inline uint16_t to_bf16(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return v != v ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-#if F32_PATH
-static inline __m256i to_bf16_avx512(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
-}
-#endif
-
-/* y[r0 + r][j0 + c] = acc[c][r] for r < nr, c < nc: the staging buffer (a weight row's outputs for
- * consecutive rows of x, `ld` apart) written back row-major, as fp32 or rounded to bf16. */
-static void store_y(const float *acc, int64_t ld, int64_t nr, int64_t nc, void *y, int ybf16, int64_t n, int64_t r0,
-                    int64_t j0) {
-    for (int64_t r = 0; r < nr; r += LANES) { /* 16 rows at a time, each row's segment in one burst */
-        const int64_t rn = nr - r < LANES ? nr - r : LANES;
-        int64_t c = 0;
-#if F32_PATH
-        for (; c + LANES <= nc; c += LANES) {
-            __m512i v[16];
-            for (int i = 0; i < LANES; i++) v[i] = _mm512_loadu_si512(acc + (c + i) * ld + r);
-            transpose16(v);
-            for (int i = 0; i < rn; i++) {
-                const int64_t at = (r0 + r + i) * n + j0 + c;
-                if (ybf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), to_bf16_avx512(_mm512_castsi512_ps(v[i])));
-                else _mm512_storeu_si512((float *)y + at, v[i]);
-            }
-        }
-#endif
-        for (int i = 0; i < rn; i++)
-            for (int64_t cc = c; cc < nc; cc++) {
-                const int64_t at = (r0 + r + i) * n + j0 + cc;
-                if (ybf16) ((uint16_t *)y)[at] = to_bf16(acc[cc * ld + r + i]);
-                else ((float *)y)[at] = acc[cc * ld + r + i];
-            }
     }
 }
 
