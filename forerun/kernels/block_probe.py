@@ -2,7 +2,7 @@
 whether batch invariance is on by default.
 
 A GGUF file's quantized matrices are multiplied from their blocks. Few rows run the block GEMV in fp32
-arithmetic whatever the engine's dtype. Many rows have up to three candidates:
+arithmetic whatever the engine's dtype. Many rows have up to three candidates (the last two on CPUs with AVX-512 only):
 
   float32/lanes:   the lane matmul (forerun.kernels.lane_matmul), fp32 products summed in the GEMV's
                    own order, so a row's result is the same at every batch size (batch-invariant);
@@ -59,9 +59,10 @@ class BlockChoice:
 
 
 def block_candidates(lib: ctypes.CDLL) -> list[str]:
-    """Both fp32 matmuls always; the bf16 one where the block matmul has its AVX512_BF16 path (elsewhere
-    bf16 is emulated, several times slower)."""
-    return [LANES, FP32_BLOCKS] + ([BF16_BLOCKS] if "avx512" in block_isas(lib, torch.bfloat16) else [])
+    """The lane matmul always; the block matmul's fp32 and bf16 variants where it has their AVX-512
+    paths (its portable path is no contender, and bf16 without AVX512_BF16 is emulated)."""
+    return ([LANES] + ([FP32_BLOCKS] if "avx512" in block_isas(lib, torch.float32) else [])
+            + ([BF16_BLOCKS] if "avx512" in block_isas(lib, torch.bfloat16) else []))
 
 
 def measure_blocks(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]], fmt: str, batch: int,
@@ -93,6 +94,8 @@ def choose_block_dtype(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]], fmt
     """The GGUF model's arithmetic (see the module docstring), from `cache_file` when this machine
     measured it."""
     candidates = block_candidates(lib)
+    if candidates == [LANES]:  # nothing to measure against (no AVX-512)
+        return BlockChoice("float32", True, {})
     key = json.dumps(["block_dtype", build_name(lib), cpu_signature(), torch.__version__, torch.get_num_threads(),
                       batch, shapes, fmt, candidates])
     cache = read_cache(cache_file)

@@ -132,9 +132,9 @@ class NumericsChooser:
             choice = choose_block_dtype(lib, model_matmul_shapes(self.hf_config, self.tp_size), fmt,
                                         self.decode_batch, cache_dir() / "cpu_probe.json")
             logger.info("GGUF %s matmuls: %s", fmt, choice.describe())
-            # Where bf16 is not allowed, the fp32 candidates alone decide.
-            fp32 = decide({n: g for n, g in choice.gflops.items() if n.startswith("float32")})
-            result = (choice.dtype, choice.invariant) if choice.dtype in allowed else (fp32.dtype, fp32.invariant)
+            if choice.dtype not in allowed:  # bf16 won but is not allowed: the fp32 candidates decide
+                choice = decide({n: g for n, g in choice.gflops.items() if n.startswith("float32")})
+            result = (choice.dtype, choice.invariant)
         return self._from_rank0(result)
 
     def _choose_kernels(self, dtypes: list[torch.dtype] | None = None) -> KernelChoice:
