@@ -131,18 +131,31 @@ static void pack_residues(const float *x, int64_t rows, int64_t k, int64_t g0, i
     }
 }
 
-/* One expanded weight row (k values in order) into residue order: out[i k/16 + j] = row[16 j + i]. */
-static void to_residues(const float *row, int64_t k, float *out) {
+/* One weight row expanded straight into residue order: out[i k/16 + j] = weight 16 j + i (gguf's value).
+ * Runs of 16 weights are made 16 at a time (256 weights: one K-quant block or 8 legacy ones) in
+ * registers and transposed there; the runs past the last whole 256 go through `spare` (k floats). */
+static inline __attribute__((always_inline)) void expand_residues(int fmt, const uint8_t *row, int64_t k, float *out,
+                                                                  float *spare) {
+    const int bw = block_weights(fmt), bs = block_bytes(fmt);
     const int64_t runs = k / 16;
     int64_t j0 = 0;
     for (; j0 + 16 <= runs; j0 += 16) {
         __m512i r[16];
-        for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512(row + 16 * (j0 + t));
+        for (int b = 0; b < 256 / bw; b++) {
+            const uint8_t *p = row + (16 * j0 / bw + b) * bs;
+            float a[16], c[16];
+            block_maps_avx2(fmt, p, a, c);
+            UNROLL_RUNS
+            for (int v = 0; v < bw / 16; v++)
+                r[b * (bw / 16) + v] = _mm512_castps_si512(weights16_avx512(fmt, p, v, a[map_of(fmt, v)], c[map_of(fmt, v)]));
+        }
         transpose16(r);
         for (int i = 0; i < 16; i++) _mm512_storeu_si512(out + i * runs + j0, r[i]);
     }
-    for (; j0 < runs; j0++)
-        for (int i = 0; i < 16; i++) out[i * runs + j0] = row[16 * j0 + i];
+    if (j0 == runs) return;
+    expand_f32(fmt, row + 16 * j0 / bw * bs, k - 16 * j0, spare);
+    for (int64_t j = j0; j < runs; j++)
+        for (int i = 0; i < 16; i++) out[i * runs + j] = spare[16 * (j - j0) + i];
 }
 
 /* park[at .. at + 16) = the tree of the 16 residues' sums park[l * step + at ..] (one group's 16 rows of
@@ -176,8 +189,7 @@ static void residue_columns(int fmt, const float *xp, const uint8_t *w, int64_t 
     for (int64_t t0 = j0; t0 < j1; t0 += tile_n) {
         const int64_t cols = j1 - t0 < tile_n ? j1 - t0 : tile_n, step = cols * CHUNK;
         for (int64_t c = 0; c < cols; c++) { /* rows past n repeat row n - 1; their outputs are dropped */
-            WITH_FORMAT(fmt, F, expand_f32(F, w + (t0 + c < n ? t0 + c : n - 1) * stride, k, row));
-            to_residues(row, k, tile + c * k);
+            WITH_FORMAT(fmt, F, expand_residues(F, w + (t0 + c < n ? t0 + c : n - 1) * stride, k, tile + c * k, row));
         }
         for (int64_t m0 = 0; m0 < groups * LANES; m0 += CHUNK) {
             const int64_t mg = (groups * LANES - m0 < CHUNK ? groups * LANES - m0 : CHUNK) / LANES;
