@@ -43,9 +43,9 @@ from forerun.worker.stage_link import StageLink
 
 logger = logging.getLogger(__name__)
 # Batch-invariant mode in bf16: GGUF matmuls of up to this many rows run the ordered GEMV, larger ones the
-# bf16 block matmul (the same sums). Measured on an avx512_bf16 Xeon, 2048 x 2048, 2 threads: at 1 and 4 rows the
-# GEMV took 0.35-0.6x the matmul's time in Q4_1, Q4_K, Q8_0 and Q6_K; at 8 rows 0.84-0.87x in the
-# first three and 1.37x in Q6_K; at 16 rows 1.6-2.4x.
+# bf16 block matmul (the same sums). Measured on an avx512_bf16 Xeon, 2048 x 2048, 2 threads: at 1 and 4
+# rows the GEMV took 0.35-0.6x the matmul's time in Q4_1, Q4_K, Q8_0 and Q6_K; at 8 rows 0.84-0.87x in
+# the first three and 1.37x in Q6_K; at 16 rows 1.6-2.4x.
 ORDERED_ROWS = 4
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
