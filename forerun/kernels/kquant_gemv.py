@@ -82,6 +82,23 @@ def dequantize_blocks(lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int)
     return out
 
 
+def fp32_rows(x: Tensor, k: int) -> Tensor:
+    """x [..., k] fp32 or bf16 on the CPU as a contiguous fp32 [rows, k] (bf16 -> fp32 is exact), what the
+    block kernels read; ValueError naming x for anything else."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"x: expected float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dimension {x.shape[-1]} is not k={k}")
+    return x.reshape(-1, k).to(torch.float32).contiguous()
+
+
+def shaped_like(y: Tensor, x: Tensor, fp32_out: bool) -> Tensor:
+    """A block kernel's fp32 [rows, n] result with x's leading dimensions, in x's dtype (rounded once)
+    or, with `fp32_out`, in fp32 (logits)."""
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if fp32_out else y.to(x.dtype)
+
+
 def available_isas(lib: ctypes.CDLL, int8_activations: bool = False) -> list[str]:
     """The kernel paths built into `lib` for this CPU ("scalar" always); the 8-bit-activation GEMV has
     "scalar" and "avx2" (which uses AVX-512 VNNI's 256-bit dot product where the CPU has it)."""
@@ -129,16 +146,11 @@ class KQuantGemv:
     def __call__(self, x: Tensor, fp32_out: bool = False) -> Tensor:
         """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: computed in fp32, rounded once), or
         the fp32 result with `fp32_out` (logits)."""
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-            raise ValueError(f"x: expected float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
-        if x.shape[-1] != self.k:
-            raise ValueError(f"x: last dimension {x.shape[-1]} is not k={self.k}")
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.k).to(torch.float32).contiguous()  # bf16 -> fp32 is exact
+        flat = fp32_rows(x, self.k)
         y = flat.new_empty(flat.shape[0], self.n)
         with profiled("forerun::linear_q8" if self.int8_activations else "forerun::linear_kquant"):
             rc = self.fn(flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code, y.data_ptr(),
                          flat.shape[0], self.k, self.n, self.isa, torch.get_num_threads())
         if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
             raise RuntimeError(f"{self.fn.__name__} refused {self.fmt} k={self.k} (code {rc})")
-        return y.view(*lead, self.n) if fp32_out else y.view(*lead, self.n).to(x.dtype)
+        return shaped_like(y, x, fp32_out)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from forerun.kernels.build import profiled
-from forerun.kernels.kquant_gemv import FORMATS, ISAS, check_blocks, supports
+from forerun.kernels.kquant_gemv import FORMATS, ISAS, check_blocks, fp32_rows, shaped_like, supports
 
 
 def available_isas(lib: ctypes.CDLL) -> list[str]:
@@ -60,12 +60,7 @@ class LaneMatmul:
     def __call__(self, x: Tensor, fp32_out: bool = False) -> Tensor:
         """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: computed in fp32, rounded once), or
         the fp32 result with `fp32_out` (logits)."""
-        if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-            raise ValueError(f"x: expected float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
-        if x.shape[-1] != self.k:
-            raise ValueError(f"x: last dimension {x.shape[-1]} is not k={self.k}")
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.k).to(torch.float32).contiguous()  # bf16 -> fp32 is exact
+        flat = fp32_rows(x, self.k)
         y = flat.new_empty(flat.shape[0], self.n)
         with profiled("forerun::linear_lanes"):
             rc = self.fn(flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code, y.data_ptr(),
@@ -74,4 +69,4 @@ class LaneMatmul:
             raise MemoryError(f"gemm_lanes_f32: no memory for a tile of k={self.k}")
         if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
             raise RuntimeError(f"gemm_lanes_f32 refused {self.fmt} k={self.k} (code {rc})")
-        return y.view(*lead, self.n) if fp32_out else y.view(*lead, self.n).to(x.dtype)
+        return shaped_like(y, x, fp32_out)

@@ -79,7 +79,7 @@ class NumericsChooser:
         dtype, cheap = self._block_choice(lib, fmt)
         if cheap and want is None and self._invariance_fits(lib):
             return Numerics(self._invariant_kernels(), True)
-        return Numerics(self._choose_kernels([{v: k for k, v in DTYPE_NAMES.items()}[dtype]]), False)
+        return Numerics(self._choose_kernels([getattr(torch, dtype)]), False)
 
     def check_batch_invariant(self, lib: ctypes.CDLL | None) -> None:
         """Raise ValueError naming the field where batch-invariant mode cannot run."""
