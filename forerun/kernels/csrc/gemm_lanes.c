@@ -273,8 +273,10 @@ static void thread_columns(int isa, int fmt, const float *x, const uint8_t *w, i
     }
 }
 
-/* Bit i set when path i (ISA_SCALAR, ISA_AVX2, ISA_AVX512) was built into this library. */
-int gemm_lanes_isas_f32(void) { return fma_isas(); }
+/* Bit i set when path i (ISA_SCALAR, ISA_AVX2, ISA_AVX512) was built into this library: the block GEMV's
+ * paths, under the same build conditions (gemv_kquant.c). */
+int gemv_kquant_isas_f32(void);
+int gemm_lanes_isas_f32(void) { return gemv_kquant_isas_f32(); }
 
 /* y [rows, n] (rows ldy apart) = x [rows, k] W^T. `isa`: ISA_BEST or one path. Returns 0; -1 for a format
  * gguf_blocks.h lacks or a k / stride / ldy that does not fit; -2 for a path not built; -3 when memory

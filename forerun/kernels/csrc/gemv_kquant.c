@@ -196,7 +196,16 @@ static void gemv_vector(int isa, int fmt, const float *x, const uint8_t *w, int6
 }
 
 /* Bit i set when path i (ISA_SCALAR, ISA_AVX2, ISA_AVX512) was built into this library. */
-int gemv_kquant_isas_f32(void) { return fma_isas(); }
+int gemv_kquant_isas_f32(void) {
+    int isas = 1 << ISA_SCALAR;
+#if defined(__AVX2__) && defined(__FMA__)
+    isas |= 1 << ISA_AVX2;
+#endif
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    isas |= 1 << ISA_AVX512;
+#endif
+    return isas;
+}
 
 /* y [rows, n] (rows ldy apart) = x [rows, k] W^T. `isa`: ISA_BEST or one path. Returns 0, -1 for a
  * format this file lacks or a k / stride / ldy that does not fit it, -2 for a path not built. */

@@ -34,18 +34,6 @@ enum {
 /* The code paths a caller may ask for (ISA_BEST: the widest one built). */
 enum { ISA_BEST = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 
-/* The paths a kernel with an AVX2 + FMA path and an AVX-512 path has in this build: bit i set for path i. */
-static inline int fma_isas(void) {
-    int isas = 1 << ISA_SCALAR;
-#if defined(__AVX2__) && defined(__FMA__)
-    isas |= 1 << ISA_AVX2;
-#endif
-#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-    isas |= 1 << ISA_AVX512;
-#endif
-    return isas;
-}
-
 /* Runs the statements after F with F an enum constant equal to `fmt` (a format this header decodes;
  * the last case takes any other): the always-inline decoders below then get one specialized copy per
  * format, with no branch on the format inside a loop. */
