@@ -261,3 +261,46 @@ def test_engine_without_a_usable_compiler_starts_on_stock_ops(tiny_llama_dir, tm
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
     assert len(_warnings(caplog)) == 1, caplog.text
+
+
+
+def _copy_row(cache, meta, row, length, into, into_meta) -> None:
+    """Row `row`'s first `length` positions of K and V in `cache` into the first row of `into`."""
+    pos = torch.arange(length)
+    src = meta.block_tables[row].long()[pos // meta.block_size] * meta.block_size + pos % meta.block_size
+    size = into_meta.block_size
+    dst = into_meta.block_tables[0].long()[pos // size] * size + pos % size
+    into.flatten(1, 2)[:, dst] = cache.flatten(1, 2)[:, src]
+
+
+@pytest.mark.parametrize("window", [None, 200])
+def test_batch_invariant_rows_split_by_their_own_length(native, window):
+    # Batch-invariant mode cuts a row's context into parts by its length alone (1,000 positions: 8
+    # parts; 300: 3), so a row gives the same bits alone, amid other rows and at any thread count, and
+    # the merged parts still match stock attention.
+    invariant = NativeDecodeBackend(native.lib, batch_invariant=True)
+    seq_lens = [1000, 7, 300, 129, 64]
+    q, k, v, cache, meta = _batch([1] * len(seq_lens), seq_lens, 9, 3, 16, torch.float32, block_size=16)
+    want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.25, window)
+    threads = torch.get_num_threads()
+    try:
+        together = {}
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            filled = cache.clone()
+            together[n] = invariant.forward(q, k, v, filled, meta, 0.25, window)
+            assert (together[n] - want).abs().max().item() <= 1e-5
+            assert torch.equal(together[n], together[1])
+        for i, length in enumerate(seq_lens):
+            _, _, _, alone_cache, alone_meta = _batch([1], [length], 9, 3, 16, torch.float32, block_size=16, seed=1)
+            _copy_row(filled, meta, i, length, alone_cache, alone_meta)
+            alone = invariant.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], alone_cache, alone_meta, 0.25, window)
+            assert torch.equal(alone, together[1][i:i + 1])
+        # The long row really is cut into parts: the batch-variant kernel, given many rows, sums each
+        # context in one part, and the merged parts differ from that in the last bits.
+        torch.set_num_threads(1)
+        if window is None:
+            whole = native.forward(q, k, v, cache.clone(), meta, 0.25, window)
+            assert (whole[0] - together[1][0]).abs().max().item() <= 1e-5 and not torch.equal(whole[0], together[1][0])
+    finally:
+        torch.set_num_threads(threads)

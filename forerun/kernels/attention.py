@@ -49,8 +49,9 @@ class DecodeAttention:
     def __call__(self, q: Tensor, kv_cache: Tensor, meta: DecodeBatch, scale: float, window: int | None,
                  split: bool = True) -> Tensor:
         """Decode rows q [rows, heads, dim] attended over the paged `kv_cache` -> [rows, heads * dim];
-        only for inputs `accepts` takes. `split` False: each row's context is summed in one part, so
-        its result does not depend on the other rows or the thread count (batch-invariant mode)."""
+        only for inputs `accepts` takes. `split` False: each row's context is cut into parts by its own
+        length alone, so its result does not depend on the other rows or the thread count
+        (batch-invariant mode); True: the parts also depend on the batch, to keep every thread busy."""
         rows, heads, dim = q.shape
         _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
         kernel = self.kernels[q.dtype]

@@ -281,8 +281,9 @@ class NativeDecodeBackend(TorchSDPABackend):
     (see `DecodeAttention.accepts`); anything else falls back to the stock path.
 
     `batch_invariant`: every token, prefill and decode alike, is one row of the C kernel with its
-    context unsplit, so a token's result depends on its own sequence only: not on the other rows, on
-    how its prompt was chunked, or on whether its prefix came from the cache. The caller checks that
+    context cut into parts by its own length alone, so a token's result depends on its own sequence
+    only: not on the other rows, on how its prompt was chunked, or on whether its prefix came from the
+    cache. The caller checks that
     the kernel takes the model's shape (`forerun.kernels.attention.shape_supported`)."""
 
     def __init__(self, lib: ctypes.CDLL, batch_invariant: bool = False) -> None:

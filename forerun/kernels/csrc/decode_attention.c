@@ -15,9 +15,12 @@
  * with fewer of those than two per thread, an item is also one part of the context (flash-decoding's
  * split), and each query head's parts are merged by rescaling their sums to the largest max score:
  * one request of 1,000 tokens with 3 KV heads on 2 threads went from 202-219 to 178-188 us a layer.
- * `split` 0 turns the split off, so that a row's result does not depend on how many rows and threads
- * share the call (batch-invariant mode): each row then sums its context in position order, whatever
- * the batch, and a prefill token given as a row equals the same token decoded.
+ * `split` 0 fixes the split instead (batch-invariant mode), so that a row's result does not depend on
+ * how many rows and threads share the call: a row's context is cut into parts by its own length alone
+ * (one part a FIXED_PART positions, at most MAX_PARTS, of equal size), merged in part order; whole
+ * sequences or (sequence, KV head) pairs are still the items, which changes who computes a part, not
+ * its sums. A prefill token given as a row then equals the same token decoded, and one request keeps
+ * every thread busy over a long context (one part a row at 128/1,024 lost 2-3% of one request's speed).
  *
  * GCC vector extensions (8 floats) keep it portable: -march=native lowers them to AVX2/AVX-512 on
  * x86 and NEON on ARM. The group size (query heads per KV head) is a compile-time constant in the
@@ -38,7 +41,15 @@
  * MIN_PART positions (shorter ones cost more to merge than they save). */
 #define MAX_PARTS 16
 #define MIN_PART 64
+/* Positions a part of a row's context covers in batch-invariant mode (until MAX_PARTS parts). */
+#define FIXED_PART 128
 #define INLINE static inline __attribute__((always_inline))
+
+/* Batch-invariant mode's parts of a row of context length `len`: from its length alone. */
+static inline int64_t fixed_parts(int64_t len, int64_t window) {
+    const int64_t n = window > 0 && len > window ? window : len, parts = (n + FIXED_PART - 1) / FIXED_PART;
+    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
 
 /* Calls CALL(g) with g a literal for the usual group sizes (unrolled, register accumulators):
  * 1 (multi-head), 2-8 (grouped-query models: SmolLM2 3, Llama 4, Qwen2 7, ...). */
@@ -165,14 +176,16 @@
         const int whole = B >= 2 * (int64_t)nthreads; /* items: sequences, else (sequence, KV head) */  \
         /* Fewer (sequence, KV head) items than two per thread (one request decoding): each item's      \
          * context is also split into parts of at least MIN_PART positions, merged at the end. */       \
-        int64_t parts = 1;                                                                               \
+        int64_t parts = 1; /* the most parts of a row (batch-invariant mode: each row its own) */     \
         if (split && !whole && B * KVH < 2 * (int64_t)nthreads) {                                        \
             parts = (2 * (int64_t)nthreads + B * KVH - 1) / (B * KVH);                                   \
             parts = parts < max_len / MIN_PART ? parts : max_len / MIN_PART;                             \
             parts = parts < MAX_PARTS ? (parts > 1 ? parts : 1) : MAX_PARTS;                             \
         }                                                                                                \
-        const int64_t items = whole ? B : B * KVH * parts, span = whole ? KVH : 1;                       \
-        float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(items * G * (D + 2))) : NULL;       \
+        for (int64_t b = 0; !split && b < B; b++)                                                        \
+            parts = fixed_parts(lens[b], window) > parts ? fixed_parts(lens[b], window) : parts;         \
+        const int64_t span = whole ? KVH : 1, items = (whole ? B : B * KVH) * parts;                     \
+        float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(items * span * G * (D + 2))) : NULL; \
         if (parts > 1 && !partial) return 1;                                                             \
         int failed = 0;                                                                                  \
         _Pragma("omp parallel num_threads(nthreads)") {                                                  \
@@ -184,19 +197,24 @@
             if (!ok) {                                                                                   \
                 _Pragma("omp atomic write") failed = 1;                                                  \
             }                                                                                            \
+            /* Item (b, p) (whole) or (b, h, p); its partial sums at partial + item * span * G * (D + 2). */ \
             _Pragma("omp for schedule(static)") for (int64_t item = 0; item < items; item++) {           \
-                const int64_t b = whole ? item : item / (KVH * parts), h0 = whole ? 0 : item / parts % KVH; \
-                if (ok)                                                                                  \
+                const int64_t b = whole ? item / parts : item / (KVH * parts);                           \
+                const int64_t h0 = whole ? 0 : item / parts % KVH, part = item % parts;                  \
+                const int64_t mine = split ? parts : fixed_parts(lens[b], window);                       \
+                if (ok && part < mine)                                                                   \
                     attend_##SUFFIX(q, q_stride, K, V, tables, table_stride, lens, out, b, h0, h0 + span, H, \
-                                    KVH, D, BS, window, scale, max_len, scores, qf, acc, rows, item % parts, \
-                                    parts, partial ? partial + item * G * (D + 2) : NULL);               \
+                                    KVH, D, BS, window, scale, max_len, scores, qf, acc, rows, part, mine, \
+                                    mine > 1 ? partial + item * span * G * (D + 2) : NULL);              \
             }                                                                                            \
-            if (parts > 1) { /* query head j = h * G + g of sequence b: parts p at item (b, h, p) */      \
+            if (parts > 1) { /* query head j = h * G + g of sequence b from its parts, in part order */  \
                 _Pragma("omp for schedule(static)") for (int64_t bj = 0; bj < B * H; bj++) {             \
-                    const int64_t b = bj / H, h = bj % H / G, g = bj % G;                                \
-                    if (ok)                                                                              \
-                        merge_parts_##SUFFIX(partial + ((b * KVH + h) * parts * G + g) * (D + 2), G * (D + 2), \
-                                             parts, D, out + bj * D);                                    \
+                    const int64_t b = bj / H, j = bj % H, h = j / G, g = j % G;                          \
+                    const int64_t mine = split ? parts : fixed_parts(lens[b], window);                   \
+                    const float *first = whole ? partial + (b * parts * H + j) * (D + 2)                 \
+                                               : partial + ((b * KVH + h) * parts * G + g) * (D + 2);    \
+                    if (ok && mine > 1)                                                                  \
+                        merge_parts_##SUFFIX(first, (whole ? H : G) * (D + 2), mine, D, out + bj * D);   \
                 }                                                                                        \
             }                                                                                            \
             free(scores);                                                                                \
