@@ -81,9 +81,9 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
 PROBE_MAX_ELEMENTS = 1 << 22
 
 
-def capped(k: int, n: int, count: float) -> tuple[int, int, float]:
-    """(k, n, count) with n cut so that k * n <= PROBE_MAX_ELEMENTS, count raised to keep the FLOPs."""
-    narrow = max(16, min(n, PROBE_MAX_ELEMENTS // k))
+def capped(k: int, n: int, count: float, limit: int = PROBE_MAX_ELEMENTS) -> tuple[int, int, float]:
+    """(k, n, count) with n cut so that k * n <= limit, count raised to keep the FLOPs."""
+    narrow = max(16, min(n, limit // k))
     return k, narrow, count * n / narrow
 
 

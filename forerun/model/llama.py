@@ -78,14 +78,15 @@ class LlamaArgs:
             windows=_windows(cfg, family, layers))
 
 
-def matmul_shapes(args: LlamaArgs, tp_size: int = 1) -> list[tuple[int, int, int]]:
-    """(in_features, out_features, count) of every matmul one token passes through on one rank."""
+def matmul_shapes(args: LlamaArgs, tp_size: int = 1, logits: bool = True) -> list[tuple[int, int, int]]:
+    """(in_features, out_features, count) of every matmul one token passes through on one rank; without
+    the vocabulary projection unless `logits` (a prompt token that is not its prompt's last)."""
     d, n = args.head_dim, args.num_layers
     qkv = (args.num_heads + 2 * args.num_kv_heads) * d // tp_size
-    return [(args.hidden_size, qkv, n), (args.num_heads * d // tp_size, args.hidden_size, n),
-            (args.hidden_size, 2 * args.intermediate_size // tp_size, n),
-            (args.intermediate_size // tp_size, args.hidden_size, n),
-            (args.hidden_size, -(-args.vocab_size // tp_size), 1)]
+    layers = [(args.hidden_size, qkv, n), (args.num_heads * d // tp_size, args.hidden_size, n),
+              (args.hidden_size, 2 * args.intermediate_size // tp_size, n),
+              (args.intermediate_size // tp_size, args.hidden_size, n)]
+    return layers + [(args.hidden_size, -(-args.vocab_size // tp_size), 1)] if logits else layers
 
 
 def _windows(cfg: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:

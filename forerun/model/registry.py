@@ -56,10 +56,11 @@ def resolve_architecture(config: dict) -> tuple[str, type[LlamaForCausalLM]]:
     raise ValueError(f"architectures: {names!r} has no supported model (supported: {sorted(_ARCHITECTURES)})")
 
 
-def model_matmul_shapes(config: dict, tp_size: int = 1) -> list[tuple[int, int, int]]:
-    """(in, out, count) of the matmuls one token passes through, per rank, from config.json alone."""
+def model_matmul_shapes(config: dict, tp_size: int = 1, logits: bool = True) -> list[tuple[int, int, int]]:
+    """(in, out, count) of the matmuls one token passes through, per rank, from config.json alone
+    (without the vocabulary projection unless `logits`)."""
     arch, _ = resolve_architecture(config)
-    return matmul_shapes(LlamaArgs.from_config(config, arch), tp_size)
+    return matmul_shapes(LlamaArgs.from_config(config, arch), tp_size, logits)
 
 
 def check_pipeline_stages(folder: Path, pp_size: int) -> None:

@@ -3,7 +3,7 @@
 Explicit settings are kept (or refused with the field named). `dtype="auto"` is measured on this CPU
 and cached: a dense model by the dense probe (forerun.kernels.probe), a GGUF file's quantized model by
 the block probe (forerun.kernels.block_probe), which also says whether the batch-invariant matmul
-keeps 95% of the fastest batched one's speed. Where it does and `batch_invariant` is left unset, the
+keeps 95% of the fastest batched one's speed over decode steps and prefill chunks alike. Where it does and `batch_invariant` is left unset, the
 mode is on: a GGUF model's small matmuls already sum in that order, so one user pays nothing. Rank 0
 measures and every rank takes its answer.
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from forerun.config import EngineConfig
 from forerun.kernels.attention import shape_supported
 from forerun.kernels.block_matmul import available_isas as block_isas
-from forerun.kernels.block_probe import choose_block_dtype, decide
+from forerun.kernels.block_probe import MOST_PREFILL_ROWS, AttentionShape, Workload, choose_block_dtype, decide
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.probe import DTYPE_NAMES, KernelChoice, choose_kernels
 from forerun.loader.model_source import cache_dir
@@ -129,13 +129,24 @@ class NumericsChooser:
             return allowed[0], False
         result = None
         if self.rank == 0:
-            choice = choose_block_dtype(lib, model_matmul_shapes(self.hf_config, self.tp_size), fmt,
-                                        self.decode_batch, cache_dir() / "cpu_probe.json")
+            choice = choose_block_dtype(lib, self._workload(), fmt, cache_dir() / "cpu_probe.json")
             logger.info("GGUF %s matmuls: %s", fmt, choice.describe())
             if choice.dtype not in allowed:  # bf16 won but is not allowed: the fp32 candidates decide
                 choice = decide({n: g for n, g in choice.gflops.items() if n.startswith("float32")})
             result = (choice.dtype, choice.invariant)
         return self._from_rank0(result)
+
+    def _workload(self) -> Workload:
+        """What the block probe times: this rank's matmuls and attention at a decode step of the decode
+        batch and a prefill chunk of the token budget."""
+        c, tp = self.hf_config, self.tp_size
+        heads, kv_heads = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        attention = None
+        if heads % tp == 0 and kv_heads % tp == 0 and shape_supported(heads // tp, kv_heads // tp, head_dim):
+            attention = AttentionShape(heads // tp, kv_heads // tp, head_dim, c["num_hidden_layers"])
+        return Workload(model_matmul_shapes(c, tp), model_matmul_shapes(c, tp, logits=False), self.decode_batch,
+                        min(self.config.max_num_batched_tokens, MOST_PREFILL_ROWS), attention)
 
     def _choose_kernels(self, dtypes: list[torch.dtype] | None = None) -> KernelChoice:
         """dtype and matmul kernel: fixed ones as given, `auto` measured on this CPU (rank 0 decides)."""
