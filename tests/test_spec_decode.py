@@ -16,7 +16,7 @@ from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.spec_stats import SpecDecodeStats
 from forerun.engine.tokenizer import Tokenizer
 from forerun.worker.ngram_proposer import NgramProposer
-from forerun.worker.sampler import Sampler
+from forerun.worker.sampler import Sampler, inverse_cdf
 from forerun.worker.sampling_metadata import SamplingMetadata
 from forerun.worker.spec_sampler import SpecSampler
 
@@ -122,6 +122,38 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert chi2(first, p0) < 16.3, first
     assert chi2(second, p1) < 16.3, second
     assert abs(first[1] / n - 0.2) < 0.02  # the draft itself keeps its own probability
+
+
+def test_a_seeded_request_draws_one_number_per_kept_token():
+    """A seeded segment's kept tokens are the draws `Sampler` makes without drafts, one uniform per kept
+    token from the request's generator, and the generator ends where those draws leave it."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    meta = SamplingMetadata(temperature=torch.full((4,), 0.7))
+    reference = torch.Generator().manual_seed(42)
+    probs = torch.softmax(logits / 0.7, dim=-1)
+    own = [int(inverse_cdf(probs[j:j + 1], torch.rand(1, 1, generator=reference))[0]) for j in range(3)]
+    wrong = (own[2] + 1) % 8
+    gen = torch.Generator().manual_seed(42)
+    out = SpecSampler(Sampler())(logits, meta, np.array([4]), np.array([own[0], own[1], wrong, -1]), {0: gen})
+    assert out.tokens == [own]  # two drafts kept, the third rejected: the target's own third draw
+    assert torch.equal(gen.get_state(), reference.get_state())
+
+
+def test_seeded_and_greedy_outputs_match_without_speculation_when_batch_invariant(loopy_dir):
+    """With logits that do not depend on the batch, a request's tokens and logprobs are the same with and
+    without drafts: the verifier keeps the target's own draws."""
+    seed_prompt = prompts(3)[2]
+    greedy, _, _, _ = run(loopy_dir, [seed_prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    ids = [seed_prompt + greedy[0]] * 6 + prompts(2, seed=8)
+    params = [SamplingParams(temperature=0.5, seed=100 + i, max_tokens=16, ignore_eos=True, logprobs=2)
+              for i in range(6)] + [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)] * 2
+    plain, _, _, plain_outs = run(loopy_dir, ids, params, batch_invariant=True)
+    spec, stats, _, spec_outs = run(loopy_dir, ids, params, batch_invariant=True, speculative_config=SPEC)
+    assert spec == plain
+    assert len({tuple(t) for t in plain[:6]}) > 1  # the seeds draw different outputs
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for a, b in zip(plain_outs, spec_outs):
+        assert a.outputs[0].logprobs and a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_seeded_sampling_follows_the_target_on_a_model(loopy_dir):

@@ -1,5 +1,5 @@
-"""Verification of drafted tokens in one pass: greedy matching, or rejection sampling that keeps the
-target distribution exactly.
+"""Verification of drafted tokens in one pass: a draft is kept where the target's own token at its
+position (the argmax, or a draw from the target's distribution) is that draft.
 
 The logits come in request segments: a request with d drafts has 1 + d consecutive rows, row j being
 the target's distribution for the position of draft j (row d: the position after the last draft). A
@@ -31,11 +31,13 @@ class VerifyOutput:
 class SpecSampler:
     """Accepts each draft while the target agrees, then adds one token of the target's own.
 
-    Invariants: greedy rows accept a draft iff it equals the argmax; random rows accept a draft t with
-    probability p(t) and otherwise draw from p with t removed and renormalised, so every kept token
-    follows the target distribution (a one-hot draft makes this the standard rejection rule). A
-    seeded request draws 1 number from its generator when it has no drafts (as `Sampler`), and
-    2d + 1 numbers for d drafts, whatever is accepted: its stream depends only on its own history.
+    Invariants: every kept token is the target's own token at its position: the argmax for greedy
+    rows; for random rows an inverse-CDF draw from p with one uniform, exactly as `Sampler` draws, and
+    a draft t is accepted iff that draw is t. So a draft is kept with probability p(t) and a rejected
+    position's token follows p without t, as the standard rejection rule for a one-hot draft gives. A
+    seeded request draws one number from its generator per kept token, in order, as it does without
+    drafts: its tokens are the ones it gets without speculation wherever the logits are the same bits
+    (batch-invariant mode), and its stream depends only on its own history.
     """
 
     def __init__(self, sampler: Sampler) -> None:
@@ -54,19 +56,15 @@ class SpecSampler:
         has_draft_t = torch.from_numpy(has_draft).to(device)
         greedy_rows = meta.temperature.to(device) == 0
         argmax = argmax_rows(x)
-
-        u_rec, u_acc = self._uniforms(counts, starts, generators, num_rows, device)
         temperature = torch.where(greedy_rows, torch.ones_like(meta.temperature.to(device)),
                                   meta.temperature.to(device, torch.float32))
         probs = sampling_probs(x / temperature.unsqueeze(1), meta)
-        p_draft = probs.gather(1, draft_t.unsqueeze(1)).squeeze(1) / probs.sum(dim=-1)
-        accept = has_draft_t & torch.where(greedy_rows, draft_t == argmax, u_acc < p_draft)
-        # The draft's mass moves to the others: a rejected draft is never drawn again at its position.
-        residual = torch.where(has_draft_t.unsqueeze(1),
-                               probs.scatter(1, draft_t.unsqueeze(1), 0.0), probs)
-        empty = residual.sum(dim=-1, keepdim=True) <= 0
-        residual = torch.where(empty, probs, residual)
-        own = torch.where(greedy_rows, argmax, inverse_cdf(residual, u_rec.unsqueeze(1)))
+        drawn = inverse_cdf(probs, torch.rand(num_rows, 1, device=device))
+        for seg, gen in generators.items():
+            if not bool(greedy_rows[starts[seg]]):
+                self._seeded_draws(probs, drawn, int(starts[seg]), int(counts[seg]), drafts, gen)
+        own = torch.where(greedy_rows, argmax, drawn)
+        accept = has_draft_t & (own == draft_t)
 
         # Accepted run per segment: rows up to the first rejected one (a segment's last row never accepts).
         rejected = ~accept.cpu().numpy()
@@ -85,16 +83,12 @@ class SpecSampler:
         return out
 
     @staticmethod
-    def _uniforms(counts: np.ndarray, starts: np.ndarray, generators: dict[int, torch.Generator],
-                  num_rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Per row: the uniform for drawing the target's own token, and the one for the accept test."""
-        u_rec = torch.rand(num_rows, device=device)
-        u_acc = torch.rand(num_rows, device=device)
-        for seg, gen in generators.items():
-            s, c = int(starts[seg]), int(counts[seg])
-            d = c - 1
-            draws = torch.rand(2 * d + 1 if d else 1, generator=gen, device=device)
-            u_rec[s:s + c] = draws[:c]
-            if d:
-                u_acc[s:s + d] = draws[c:]
-        return u_rec, u_acc
+    def _seeded_draws(probs: Tensor, drawn: Tensor, start: int, count: int, drafts: np.ndarray,
+                      gen: torch.Generator) -> None:
+        """A seeded segment's own tokens into `drawn`, one number from `gen` per row, up to the first row
+        whose draw rejects its draft (the last kept token): as many numbers as tokens kept."""
+        for row in range(start, start + count):
+            u = torch.rand(1, 1, generator=gen, device=probs.device)
+            drawn[row] = inverse_cdf(probs[row:row + 1], u)[0]
+            if drafts[row] < 0 or int(drawn[row]) != drafts[row]:
+                return
