@@ -2,7 +2,7 @@
 cheap): a request's tokens and logprobs are the same bit for bit whether it runs alone, amid 63 random
 requests, with its prompt prefilled in small chunks, after a prefix-cache hit, or with async
 scheduling off; greedy and seeded alike, on dense weights and on GGUF blocks, and at tensor-parallel
-size 3. The runs are `forerun bench invariance`'s own."""
+size 3 and pipeline-parallel size 2. (With and without speculative decoding: tests/test_spec_decode.py.) The runs are `forerun bench invariance`'s own."""
 
 from __future__ import annotations
 
@@ -109,11 +109,13 @@ def test_batch_invariant_refuses_what_it_cannot_keep(tiny_llama_dir: Path) -> No
         LLM(model=str(get_model_path()), runner="pooling", batch_invariant=True, show_progress=False)
 
 
-def test_tensor_parallel_is_batch_invariant(tmp_path: Path, smollm2_dir: Path) -> None:
-    # 6 heads / 3 KV heads / MLP 192 split over 3 ranks; the row-parallel sums are added in rank order.
-    folder = save_tiny_model(tmp_path / "tp3", smollm2_dir, hidden_size=96, intermediate_size=192,
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}])
+def test_tensor_and_pipeline_parallel_are_batch_invariant(tmp_path: Path, smollm2_dir: Path, parallel) -> None:
+    # TP: 6 heads / 3 KV heads / MLP 192 split over 3 ranks, the row-parallel sums added in rank order.
+    # PP: each stage's rows are computed as on one rank.
+    folder = save_tiny_model(tmp_path / "parallel", smollm2_dir, hidden_size=96, intermediate_size=192,
                              num_attention_heads=6, num_key_value_heads=3)
-    engine = {**ENGINE, "tensor_parallel_size": 3, "distributed_executor_backend": "mp"}
+    engine = {**ENGINE, **parallel, "distributed_executor_backend": "mp"}
     got = invariance.compare(str(folder), engine, TARGETS, runs={"amid_others": RUNS["amid_others"]})
     assert got["identical"] == got["compared"], got["runs"]
     assert got["distinct_tokens_alone"] > 5

@@ -45,8 +45,7 @@ from forerun.kernels.block_matmul import available_isas as block_isas
 from forerun.kernels.build import build_name
 from forerun.kernels.compact_weights import CompactWeight, block_size
 from forerun.kernels.lane_matmul import LaneMatmul
-from forerun.kernels.probe import (BUSY, PROBE_MAX_ELEMENTS, best_rounds, capped, fresh_entry, machine_busy,
-                                   read_cache, write_cache)
+from forerun.kernels.probe import BUSY, best_rounds, capped, fresh_entry, machine_busy, read_cache, write_cache
 from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -110,9 +109,10 @@ def block_candidates(lib: ctypes.CDLL) -> list[str]:
 
 
 def measure_blocks(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]], fmt: str, batch: int,
-                   candidates: list[str], rounds: int = 5, limit: int = PROBE_MAX_ELEMENTS) -> dict[str, float]:
-    """GFLOPS of one step's matmuls ((in, out, count) at `batch` rows, each cut to `limit` weights) over
-    random `fmt` blocks, per candidate, timed round-robin (best round each)."""
+                   candidates: list[str], rounds: int = 5, limit: int | None = None) -> dict[str, float]:
+    """GFLOPS of one step's matmuls ((in, out, count) at `batch` rows, each cut to `limit` weights, the
+    probe's usual cap when None) over random `fmt` blocks, per candidate, timed round-robin (best round
+    each)."""
     flops = batch * _flops(shapes, fmt)
     shapes = [capped(k, n, count, limit) for k, n, count in shapes if k % block_size(fmt) == 0]
     gen = torch.Generator().manual_seed(0)  # never the global RNG: see probe.measure

@@ -81,9 +81,10 @@ def measure(shapes: list[tuple[int, int, int]], batch: int, candidates: list[tup
 PROBE_MAX_ELEMENTS = 1 << 22
 
 
-def capped(k: int, n: int, count: float, limit: int = PROBE_MAX_ELEMENTS) -> tuple[int, int, float]:
-    """(k, n, count) with n cut so that k * n <= limit, count raised to keep the FLOPs."""
-    narrow = max(16, min(n, limit // k))
+def capped(k: int, n: int, count: float, limit: int | None = None) -> tuple[int, int, float]:
+    """(k, n, count) with n cut so that k * n <= limit (PROBE_MAX_ELEMENTS when None, read at the call),
+    count raised to keep the FLOPs."""
+    narrow = max(16, min(n, (PROBE_MAX_ELEMENTS if limit is None else limit) // k))
     return k, narrow, count * n / narrow
 
 
