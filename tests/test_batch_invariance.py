@@ -2,7 +2,8 @@
 cheap): a request's tokens and logprobs are the same bit for bit whether it runs alone, amid 63 random
 requests, with its prompt prefilled in small chunks, after a prefix-cache hit, or with async
 scheduling off; greedy and seeded alike, on dense weights and on GGUF blocks, and at tensor-parallel
-size 3 and pipeline-parallel size 2. (With and without speculative decoding: tests/test_spec_decode.py.) The runs are `forerun bench invariance`'s own."""
+size 3 and pipeline-parallel size 2. The runs are `forerun bench invariance`'s own. (With and without
+speculative decoding: tests/test_spec_decode.py.)"""
 
 from __future__ import annotations
 
