@@ -87,6 +87,20 @@ def test_batch_invariance_is_on_by_default_where_the_probe_finds_it_cheap(tmp_pa
         assert worker.dtype == want
 
 
+def test_the_default_does_not_move_with_the_batch_settings(tmp_path: Path, monkeypatch) -> None:
+    # The probe is asked the same question whatever max_num_seqs and max_num_batched_tokens are, so one
+    # machine runs a model in one mode (and one set of bits) under every batch setting.
+    asked = []
+    monkeypatch.setattr(numerics, "choose_block_dtype", lambda lib, work, *a, **k: asked.append(work) or decide(
+        {LANES: 100.0, FP32_BLOCKS: 100.0, BF16_BLOCKS: 50.0}))
+    monkeypatch.delenv(AUTO_DTYPES_ENV, raising=False)
+    for settings in ({}, {"max_num_seqs": 4, "max_num_batched_tokens": 32}):
+        with LLM(model=str(_mixed_gguf(tmp_path)), max_model_len=256, show_progress=False, **settings) as llm:
+            assert llm.engine.core.executor.worker.batch_invariant
+    assert len(asked) == 2 and asked[0] == asked[1]
+    assert (asked[0].decode_rows, asked[0].prefill_rows) == (64, 4096) and asked[0].attention is not None
+
+
 def test_a_dense_model_keeps_batch_invariance_off_unless_asked(tiny_llama_dir: Path) -> None:
     # Dense matrices: invariance means forerun's fp32 GEMM for every row count, which is slower than
     # oneDNN's bf16 where a CPU has it, so it is not turned on unasked.

@@ -10,8 +10,7 @@ arithmetic whatever the engine's dtype. Many rows have up to three candidates (t
   bfloat16/blocks: on CPUs with AVX512_BF16, its bf16 variant (vdpbf16ps, bf16-rounded weights).
 
 `choose_block_dtype` times them on the model's own shapes and format where a batched workload runs
-them (a `Workload`): a decode step of the decode batch size, and a prefill chunk of the engine's token
-budget, up to MOST_PREFILL_ROWS (the layers' matmuls; logits are taken of a prompt's last token only). The 5% is of throughput, so a candidate's
+them (a `Workload`): a decode step of DECODE_ROWS rows, and a prefill chunk of PREFILL_ROWS tokens (the layers' matmuls; logits are taken of a prompt's last token only). The 5% is of throughput, so a candidate's
 speed is the matmuls' GFLOPS over the time of a workload of as many prompt tokens as output tokens, as
 the 64 x 128/128 benchmark: one token of each, whose matmul times add, and the decode token's attention
 over PROBE_CONTEXT positions, which every candidate pays alike. Judging the decode step's matmuls alone
@@ -53,10 +52,14 @@ logger = logging.getLogger(__name__)
 # The share of the fastest batched throughput the batch-invariant arithmetic must keep to be the default.
 INVARIANT_COST = 0.95
 LANES, FP32_BLOCKS, BF16_BLOCKS = "float32/lanes", "float32/blocks", "bfloat16/blocks"
-# Most rows of the prefill chunk timed (the default token budget; the matmuls' speed has settled by
-# here), and the most weights of one timed prefill matrix: at thousands of rows a narrower matrix runs
-# at the same speed, in a quarter of the time.
-MOST_PREFILL_ROWS = 4096
+# Rows of the prefill chunk timed: the default token budget, which a batch of prompts fills (the
+# matmuls' speed has settled by here). Fixed rather than read from the engine's budget, so that the
+# default mode, and with it a request's bits, does not change with that setting. And the most weights
+# of one timed prefill matrix: at thousands of rows a narrower matrix runs at the same speed, in a
+# quarter of the time.
+PREFILL_ROWS = 4096
+# Rows of the decode step timed: the batch the 5% rule is stated for, fixed for the same reason.
+DECODE_ROWS = 64
 PREFILL_MAX_ELEMENTS = 1 << 20
 # Context of the decode rows whose attention the probe times: a short chat turn (longer contexts make
 # attention a larger share of a step, so invariance cheaper).

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from forerun.config import EngineConfig
 from forerun.kernels.attention import shape_supported
 from forerun.kernels.block_matmul import available_isas as block_isas
-from forerun.kernels.block_probe import MOST_PREFILL_ROWS, AttentionShape, Workload, choose_block_dtype, decide
+from forerun.kernels.block_probe import (DECODE_ROWS, PREFILL_ROWS, AttentionShape, Workload, choose_block_dtype,
+                                         decide)
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.probe import DTYPE_NAMES, KernelChoice, choose_kernels
 from forerun.loader.model_source import cache_dir
@@ -59,7 +60,7 @@ class Numerics:
 
 class NumericsChooser:
     """Decides one worker's `Numerics` (see the module docstring); `decode_batch` is the batch size the
-    measurements are made at."""
+    dense probe measures at (the block probe's sizes are fixed: see `_workload`)."""
 
     def __init__(self, config: EngineConfig, hf_config: dict[str, Any], folder: Path, device: torch.device,
                  rank: int, world_size: int, tp_size: int, decode_batch: int, gemm: PackedGemm | None) -> None:
@@ -137,16 +138,16 @@ class NumericsChooser:
         return self._from_rank0(result)
 
     def _workload(self) -> Workload:
-        """What the block probe times: this rank's matmuls and attention at a decode step of the decode
-        batch and a prefill chunk of the token budget."""
+        """What the block probe times: this rank's matmuls and attention at a decode step and a prefill
+        chunk of fixed sizes, so that the default mode does not move with the batch settings."""
         c, tp = self.hf_config, self.tp_size
         heads, kv_heads = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         attention = None
         if heads % tp == 0 and kv_heads % tp == 0 and shape_supported(heads // tp, kv_heads // tp, head_dim):
             attention = AttentionShape(heads // tp, kv_heads // tp, head_dim, c["num_hidden_layers"])
-        return Workload(model_matmul_shapes(c, tp), model_matmul_shapes(c, tp, logits=False), self.decode_batch,
-                        min(self.config.max_num_batched_tokens, MOST_PREFILL_ROWS), attention)
+        return Workload(model_matmul_shapes(c, tp), model_matmul_shapes(c, tp, logits=False), DECODE_ROWS,
+                        PREFILL_ROWS, attention)
 
     def _choose_kernels(self, dtypes: list[torch.dtype] | None = None) -> KernelChoice:
         """dtype and matmul kernel: fixed ones as given, `auto` measured on this CPU (rank 0 decides)."""
