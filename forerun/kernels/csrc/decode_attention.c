@@ -21,6 +21,9 @@
  * sequences or (sequence, KV head) pairs are still the items, which changes who computes a part, not
  * its sums. A prefill token given as a row then equals the same token decoded, and one request keeps
  * every thread busy over a long context (one part a row at 128/1,024 lost 2-3% of one request's speed).
+ * There, as soon as rows times parts give two items a thread, an item is a whole (sequence, part), all
+ * KV heads, read as one run: one request's attention over 1,024 positions, 3 KV heads, 2 threads, in
+ * 30 layers took 1.99 ms against 3.22 as (sequence, KV head, part) items and 2.66 split by the batch.
  *
  * GCC vector extensions (8 floats) keep it portable: -march=native lowers them to AVX2/AVX-512 on
  * x86 and NEON on ARM. The group size (query heads per KV head) is a compile-time constant in the
@@ -173,7 +176,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
         if (G > MAX_GROUP || H > MAX_HEADS || D % 8) return 2;                                           \
         const T *K = cache;                                                                              \
         const T *V = cache + NB * BS * KVH * D;                                                          \
-        const int whole = B >= 2 * (int64_t)nthreads; /* items: sequences, else (sequence, KV head) */  \
+        int whole = B >= 2 * (int64_t)nthreads; /* items: sequences, else (sequence, KV head) */        \
         /* Fewer (sequence, KV head) items than two per thread (one request decoding): each item's      \
          * context is also split into parts of at least MIN_PART positions, merged at the end. */       \
         int64_t parts = 1; /* the most parts of a row (batch-invariant mode: each row its own) */     \
@@ -184,6 +187,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
         }                                                                                                \
         for (int64_t b = 0; !split && b < B; b++)                                                        \
             parts = fixed_parts(lens[b], window) > parts ? fixed_parts(lens[b], window) : parts;         \
+        if (!split && B * parts >= 2 * (int64_t)nthreads) whole = 1;                                     \
         const int64_t span = whole ? KVH : 1, items = (whole ? B : B * KVH) * parts;                     \
         float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(items * span * G * (D + 2))) : NULL; \
         if (parts > 1 && !partial) return 1;                                                             \
