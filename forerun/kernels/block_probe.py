@@ -2,7 +2,8 @@
 whether batch invariance is on by default.
 
 A GGUF file's quantized matrices are multiplied from their blocks. Few rows run the block GEMV in fp32
-arithmetic whatever the engine's dtype. Many rows have up to three candidates (the last two on CPUs with AVX-512 only):
+arithmetic whatever the engine's dtype. Many rows have up to three candidates (the last two on
+CPUs with AVX-512 only):
 
   float32/lanes:   the lane matmul (forerun.kernels.lane_matmul), fp32 products summed in the GEMV's
                    own order, so a row's result is the same at every batch size (batch-invariant);
@@ -10,17 +11,18 @@ arithmetic whatever the engine's dtype. Many rows have up to three candidates (t
   bfloat16/blocks: on CPUs with AVX512_BF16, its bf16 variant (vdpbf16ps, bf16-rounded weights).
 
 `choose_block_dtype` times them on the model's own shapes and format where a batched workload runs
-them (a `Workload`): a decode step of DECODE_ROWS rows, and a prefill chunk of PREFILL_ROWS tokens (the layers' matmuls; logits are taken of a prompt's last token only). The 5% is of throughput, so a candidate's
-speed is the matmuls' GFLOPS over the time of a workload of as many prompt tokens as output tokens, as
-the 64 x 128/128 benchmark: one token of each, whose matmul times add, and the decode token's attention
-over PROBE_CONTEXT positions, which every candidate pays alike. Judging the decode step's matmuls alone
-misjudges the cost: on an Intel Xeon with AVX-512 the lane matmul keeps 0.87-0.89 of the fp32 block
-matmul at 64 rows but 1.04-1.06 at 4,096, and the whole engine kept 0.97-1.00 of its batch-variant
-throughput at 64 x 128/128. What the probe leaves out (prefill attention, norms,
-sampling, the engine) also costs every candidate alike, so it errs toward calling invariance dear, as
-does the short context (longer ones give attention a larger share). Batch invariance is the default
-where the lane matmul keeps INVARIANT_COST of the fastest (it costs at most 5% of the batched
-throughput); elsewhere the fastest runs and invariance is a switch. The answer is
+them (a `Workload`): a decode step of DECODE_ROWS rows, and a prefill chunk of PREFILL_ROWS tokens
+(the layers' matmuls; logits are taken of a prompt's last token only). The 5% is of throughput, so a
+candidate's speed is the matmuls' GFLOPS over the time of a workload of as many prompt tokens as
+output tokens, as the 64 x 128/128 benchmark: one token of each, whose matmul times add, and the
+decode token's attention over PROBE_CONTEXT positions, which every candidate pays alike. Judging the
+decode step's matmuls alone misjudges the cost: on an Intel Xeon with AVX-512 the lane matmul keeps
+0.87-0.89 of the fp32 block matmul at 64 rows but 1.04-1.06 at 4,096, and the whole engine kept
+0.95-1.00 of its batch-variant throughput at 64 x 128/128. What the probe leaves out (prefill
+attention, norms, sampling, the engine) also costs every candidate alike, so it errs toward calling
+invariance dear, as does the short context (longer ones give attention a larger share). Batch
+invariance is the default where the lane matmul keeps INVARIANT_COST of the fastest (it costs at most
+5% of the batched throughput); elsewhere the fastest runs and invariance is a switch. The answer is
 cached beside the dense probe's (forerun.kernels.probe), keyed by CPU, kernel build, threads, shapes
 and format.
 """
@@ -54,13 +56,13 @@ INVARIANT_COST = 0.95
 LANES, FP32_BLOCKS, BF16_BLOCKS = "float32/lanes", "float32/blocks", "bfloat16/blocks"
 # Rows of the prefill chunk timed: the default token budget, which a batch of prompts fills (the
 # matmuls' speed has settled by here). Fixed rather than read from the engine's budget, so that the
-# default mode, and with it a request's bits, does not change with that setting. And the most weights
-# of one timed prefill matrix: at thousands of rows a narrower matrix runs at the same speed, in a
-# quarter of the time.
+# default mode, and with it a request's bits, does not change with that setting.
 PREFILL_ROWS = 4096
+# The most weights of one timed prefill matrix: at thousands of rows a narrower matrix runs at the
+# same speed, in a quarter of the time.
+PREFILL_MAX_ELEMENTS = 1 << 20
 # Rows of the decode step timed: the batch the 5% rule is stated for, fixed for the same reason.
 DECODE_ROWS = 64
-PREFILL_MAX_ELEMENTS = 1 << 20
 # Context of the decode rows whose attention the probe times: a short chat turn (longer contexts make
 # attention a larger share of a step, so invariance cheaper).
 PROBE_CONTEXT = 256
@@ -101,7 +103,8 @@ class BlockChoice:
     def describe(self) -> str:
         speeds = ", ".join(f"{name} {g:.0f}" for name, g in sorted(self.gflops.items(), key=lambda kv: -kv[1]))
         mode = "batch-invariant" if self.invariant else "batch-variant"
-        return f"{self.dtype} {mode} block matmuls (GFLOPS over a decode and a prefill token, attention included: {speeds})"
+        return (f"{self.dtype} {mode} block matmuls "
+                f"(GFLOPS over a decode and a prefill token, attention included: {speeds})")
 
 
 def block_candidates(lib: ctypes.CDLL) -> list[str]:

@@ -3,9 +3,9 @@
 Explicit settings are kept (or refused with the field named). `dtype="auto"` is measured on this CPU
 and cached: a dense model by the dense probe (forerun.kernels.probe), a GGUF file's quantized model by
 the block probe (forerun.kernels.block_probe), which also says whether the batch-invariant matmul
-keeps 95% of the fastest batched one's speed over decode steps and prefill chunks alike. Where it does and `batch_invariant` is left unset, the
-mode is on: a GGUF model's small matmuls already sum in that order, so one user pays nothing. Rank 0
-measures and every rank takes its answer.
+keeps 95% of the fastest batched one's speed over decode steps and prefill chunks alike. Where it
+does and `batch_invariant` is left unset, the mode is on: a GGUF model's small matmuls already sum in
+that order, so one user pays nothing. Rank 0 measures and every rank takes its answer.
 """
 
 from __future__ import annotations
