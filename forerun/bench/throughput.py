@@ -20,7 +20,7 @@ from forerun.core.spec_stats import SpecDecodeStats
 from forerun.core.scheduler_output import SchedulerOutput
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.step_trace import StepTrace
-from forerun.sampling_params import final_only
+from forerun.sampling_params import SamplingParams, final_only
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -94,12 +94,22 @@ class ModeRun:
 def _warm_up(engine: LLMEngine, workload: Workload) -> None:
     """Allocator, first-call costs, the grammar compile (cached and shared afterwards), and the KV
     cache's pages: untouched, the timed run would pay their first-use faults (a few % of a 55 M run)
-    and a forward-only replay on the same executor would not."""
+    and a forward-only replay on the same executor would not.
+
+    The heap is warmed with the timed run's largest steps: two token budgets of the workload's prompts
+    reversed (the same lengths, and no prefix-cache hits for the timed prompts), which run as a chunk
+    of prefill alone and then one beside the first decodes, as the timed run starts. Their activations
+    are the process's peak, and the first steps of those sizes pay for growing the heap (55 M shape:
+    30,000 page faults and 30-200 ms, which the replay after the run would not pay)."""
     engine.core.executor.collective_rpc("touch_kv_cache")
     n = len(workload.prompts)
     warm = sorted({0, min(1, n - 1)}) + [i for i, p in enumerate(workload.params)
                                          if p.structured_outputs is not None][:1]
     _drain(engine, [workload.prompts[i] for i in warm], [workload.params[i] for i in warm])
+    chunk: list[list[int]] = []
+    while len(chunk) < n and sum(map(len, chunk)) < 2 * engine.config.max_num_batched_tokens:
+        chunk.append(workload.prompts[len(chunk)][::-1])
+    _drain(engine, chunk, [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)] * len(chunk))
 
 
 def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_steps: bool = False,
