@@ -48,3 +48,26 @@ def test_launched_steps_never_change_and_replay_as_launched(tiny_llama_dir, asyn
         assert replay(fresh, record.steps) > 0
     finally:
         fresh.shutdown()
+
+
+def test_warm_up_runs_the_largest_steps_without_caching_the_timed_prompts(tiny_llama_dir):
+    """The benchmark's warm-up fills the token budget in one step (so the timed run and its replay find
+    the heap grown alike), and leaves no prefix-cache hit for the timed prompts beyond the first two."""
+    from forerun.bench.throughput import _warm_up
+    from forerun.bench.workloads import random_workload
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=64, block_size=8)
+    workload = random_workload(256, num_prompts=12, input_len=16, output_len=4, vary=False, ignore_eos=True)
+    engine = LLMEngine(config, show_progress=False)
+    try:
+        record = record_steps(engine, keep=True)
+        _warm_up(engine, workload)
+        assert max(s.total_num_scheduled_tokens for s in record.steps) == 64
+        for prompt, params in zip(workload.prompts, workload.params):
+            engine.add_request(prompt, params)
+        cached: list[int] = []
+        while engine.has_unfinished_requests():
+            cached += [out.num_cached_tokens for out in engine.step() if out.finished]
+    finally:
+        engine.shutdown()
+    assert len(cached) == 12 and sorted(cached)[:10] == [0] * 10, cached
