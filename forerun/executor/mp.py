@@ -32,7 +32,6 @@ _STOP = "__stop__"
 _READY = -1  # call id of the "worker constructed" message
 STARTUP_TIMEOUT_S = 600.0
 JOIN_TIMEOUT_S = 10.0
-RESPONSE_WAIT_S = 0.1  # the longest the response thread sleeps before it looks at the stop flag again
 
 
 class WorkerError(RuntimeError):
@@ -82,14 +81,10 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         self._calls = ShmBroadcastQueue(self.world_size, n_slots=8, slot_bytes=1 << 20)
         self._responses = [ShmBroadcastQueue(1, n_slots=8, slot_bytes=1 << 20) for _ in range(self.world_size)]
-        # Released by a rank for every response it writes, so the response thread sleeps in the kernel
-        # until one arrives instead of polling the rings.
-        self._arrived = ctx.Semaphore(0)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs = [ctx.Process(target=_worker_main, name=f"forerun-rank{r}", daemon=True,
                                   args=(config, model_folder, r, self.world_size, init_method,
-                                        self._calls.handle, self._responses[r].handle, os.getpid(),
-                                        self._arrived))
+                                        self._calls.handle, self._responses[r].handle, os.getpid()))
                       for r in range(self.world_size)]
         self._writer = ShmWriter(self._calls.handle)
         self._readers = [ShmReader(q.handle, 0) for q in self._responses]
@@ -156,16 +151,13 @@ class MultiprocExecutor(Executor):
 
     # ---- response thread: resolves Futures in call order ---------------------------------------
     def _response_loop(self) -> None:
-        """Reads every ring while calls are pending; between responses it blocks on the semaphore the
-        ranks release. Polling instead (a spin, then sleeps of up to 0.5 ms) woke this thread about 40
-        times in each 20 ms forward, and each wake-up preempted one of the rank's OpenMP threads: on 2
-        cores the rank's forward took 22.1-23.3 ms a step against 19.3 blocked (55 M shape, 64 x
-        128/128; the rank was preempted 6,047 times in the run against 1,223). A count left over after
-        a read that took several responses only costs a wake-up that finds nothing."""
+        sleep = 10e-6
+        spin_until = time.perf_counter() + 2e-3
         while True:
             with self._cond:
                 while not self._pending and not self._stopping.is_set():
                     self._cond.wait()
+                    spin_until = time.perf_counter() + 2e-3
                 if self._stopping.is_set():
                     return
             got = False
@@ -174,9 +166,13 @@ class MultiprocExecutor(Executor):
                 if msg is not EMPTY:
                     got = True
                     self._on_response(rank, msg)
-            if not got:
-                # Bounded, so that a stop, or a death the monitor reports, is seen within the timeout.
-                self._arrived.acquire(timeout=RESPONSE_WAIT_S)
+            if got:
+                sleep, spin_until = 10e-6, time.perf_counter() + 2e-3
+            elif time.perf_counter() < spin_until:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 500e-6)
 
     def _on_response(self, rank: int, msg: tuple) -> None:
         call_id, ok, payload = msg
@@ -264,7 +260,6 @@ class MultiprocExecutor(Executor):
             if p.pid is not None and patience > 0:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stopping.set()
-        self._arrived.release()  # the response thread may be waiting for a response: let it see the stop
         self._kill_all()
         with self._cond:
             self._fail(self._error or WorkerError("executor shut down"))
@@ -284,13 +279,12 @@ class MultiprocExecutor(Executor):
 
 # ---- worker process --------------------------------------------------------------------------
 def _worker_main(config: EngineConfig, model_folder: Path, rank: int, world_size: int, init_method: str,
-                 calls: ShmQueueHandle, responses: ShmQueueHandle, parent_pid: int, arrived: Any) -> None:
+                 calls: ShmQueueHandle, responses: ShmQueueHandle, parent_pid: int) -> None:
     threading.current_thread().name = f"forerun-rank{rank}"
     logging.basicConfig(level=logging.WARNING)
     out: queue.Queue = queue.Queue()
     writer = ShmWriter(responses)
-    sender = threading.Thread(target=_output_loop, args=(out, writer, parent_pid, arrived),
-                              name=f"forerun-rank{rank}-out")
+    sender = threading.Thread(target=_output_loop, args=(out, writer, parent_pid), name=f"forerun-rank{rank}-out")
     sender.start()
     reader = ShmReader(calls, rank)
     try:
@@ -338,7 +332,7 @@ def _build_worker(config: EngineConfig, model_folder: Path, rank: int, world_siz
     return with_extension(Worker, config.worker_extension_cls)(config, model_folder, rank, world_size, init_method)
 
 
-def _output_loop(out: queue.Queue, writer: ShmWriter, parent_pid: int, arrived: Any) -> None:
+def _output_loop(out: queue.Queue, writer: ShmWriter, parent_pid: int) -> None:
     """Sends results in order. An async result (`get_output()`) is waited for here, so the rank's main
     loop goes on to the next call while the device-to-host copy finishes."""
     while (item := out.get()) is not None:
@@ -358,7 +352,6 @@ def _output_loop(out: queue.Queue, writer: ShmWriter, parent_pid: int, arrived: 
             except Exception as exc:  # e.g. a result that cannot be pickled
                 writer.put((call_id, False, _describe(exc)), timeout=None)
                 break
-        arrived.release()
 
 
 def _done(value: Any) -> Future:
