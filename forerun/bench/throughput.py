@@ -108,8 +108,10 @@ def _warm_up(engine: LLMEngine, workload: Workload) -> None:
                                          if p.structured_outputs is not None][:1]
     _drain(engine, [workload.prompts[i] for i in warm], [workload.params[i] for i in warm])
     chunk: list[list[int]] = []
-    while len(chunk) < n and sum(map(len, chunk)) < 2 * engine.config.max_num_batched_tokens:
+    tokens = 0
+    while len(chunk) < n and tokens < 2 * engine.config.max_num_batched_tokens:
         chunk.append(workload.prompts[len(chunk)][::-1])
+        tokens += len(chunk[-1])
     _drain(engine, chunk, [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)] * len(chunk))
 
 
