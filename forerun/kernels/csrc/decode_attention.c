@@ -46,6 +46,8 @@
 #define MIN_PART 64
 /* Positions a part of a row's context covers in batch-invariant mode (until MAX_PARTS parts). */
 #define FIXED_PART 128
+/* Output columns pv keeps in registers per query head (G x PV_COLS / 8 vectors). */
+#define PV_COLS 32
 #define INLINE static inline __attribute__((always_inline))
 
 /* Batch-invariant mode's parts of a row of context length `len`: from its length alone. */
@@ -70,43 +72,68 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
     }
 
 #define DEFINE_ATTENTION(SUFFIX, T, LOAD8, STORE)                                                        \
-    /* scores[(h * G + g) * max_len + i] = q[h, g] . K[row i, head h] for heads h0..h1 (qf is pre-scaled). */ \
+    /* scores[(h * G + g) * max_len + i] = q[h, g] . K[row i, head h] for heads h0..h1 (qf is pre-scaled): \
+     * 8 lanes, lane l summing d = l mod 8 in increasing d, then hsum8. Head by head, so that at D = 64  \
+     * a head's queries stay in registers over the rows. */                                          \
     INLINE void qk_##SUFFIX(const int G, const float *qf, const T *K, const int64_t *rows, int64_t n,        \
                             int64_t h0, int64_t h1, int64_t D, float *scores, int64_t max_len) {            \
-        for (int64_t i = 0; i < n; i++) {                                                                \
-            if (i + PF < n) prefetch_row(K + rows[i + PF] + h0 * D, (h1 - h0) * D * (int64_t)sizeof(T)); \
-            for (int64_t h = h0; h < h1; h++) {                                                          \
+        for (int64_t h = h0; h < h1; h++) {                                                              \
+            const float *qh = qf + (h - h0) * G * D;                                                     \
+            float *sh = scores + (h - h0) * G * max_len;                                                 \
+            if (D == 64) {                                                                               \
+                v8f qv[MAX_GROUP][8];                                                                    \
+                for (int g = 0; g < G; g++)                                                              \
+                    for (int j = 0; j < 8; j++) qv[g][j] = load8_f32(qh + g * 64 + 8 * j);               \
+                for (int64_t i = 0; i < n; i++) {                                                        \
+                    if (i + PF < n) prefetch_row(K + rows[i + PF] + h * 64, 64 * (int64_t)sizeof(T));    \
+                    const T *k = K + rows[i] + h * 64;                                                   \
+                    v8f a[MAX_GROUP];                                                                    \
+                    for (int g = 0; g < G; g++) a[g] = splat8(0.f);                                      \
+                    for (int j = 0; j < 8; j++) {                                                        \
+                        const v8f kv = LOAD8(k + 8 * j);                                                 \
+                        for (int g = 0; g < G; g++) a[g] += qv[g][j] * kv;                               \
+                    }                                                                                    \
+                    for (int g = 0; g < G; g++) sh[g * max_len + i] = hsum8(a[g]);                       \
+                }                                                                                        \
+                continue;                                                                                \
+            }                                                                                            \
+            for (int64_t i = 0; i < n; i++) {                                                            \
+                if (i + PF < n) prefetch_row(K + rows[i + PF] + h * D, D * (int64_t)sizeof(T));          \
                 const T *k = K + rows[i] + h * D;                                                        \
-                const float *qh = qf + (h - h0) * G * D;                                                 \
                 v8f a[MAX_GROUP];                                                                        \
                 for (int g = 0; g < G; g++) a[g] = splat8(0.f);                                          \
                 for (int64_t d = 0; d < D; d += 8) {                                                     \
                     const v8f kv = LOAD8(k + d);                                                         \
                     for (int g = 0; g < G; g++) a[g] += load8_f32(qh + g * D + d) * kv;                  \
                 }                                                                                        \
-                for (int g = 0; g < G; g++) scores[((h - h0) * G + g) * max_len + i] = hsum8(a[g]);      \
+                for (int g = 0; g < G; g++) sh[g * max_len + i] = hsum8(a[g]);                           \
             }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
-    /* acc[(h * G + g) * D + d] += p[h, g, i] * V[row i, head h, d] over all rows. */                     \
+    /* acc[(h * G + g) * D + d] += p[h, g, i] * V[row i, head h, d] over all rows, i in increasing order \
+     * (each element one multiply-add a row): held in registers over the rows, PV_COLS columns at a time. */ \
     INLINE void pv_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,                \
                             const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,               \
                             float *acc) {                                                                \
-        for (int64_t i = 0; i < n; i++) {                                                                \
-            if (i + PF < n) prefetch_row(V + rows[i + PF] + h0 * D, (h1 - h0) * D * (int64_t)sizeof(T)); \
-            for (int64_t h = h0; h < h1; h++) {                                                          \
-                const T *v = V + rows[i] + h * D;                                                        \
-                float s[MAX_GROUP];                                                                      \
-                for (int g = 0; g < G; g++) s[g] = scores[((h - h0) * G + g) * max_len + i];             \
-                for (int64_t d = 0; d < D; d += 8) {                                                     \
-                    const v8f vv = LOAD8(v + d);                                                         \
-                    for (int g = 0; g < G; g++) {                                                        \
-                        float *ap = acc + ((h - h0) * G + g) * D + d;                                    \
-                        store8_f32(ap, load8_f32(ap) + s[g] * vv);                                       \
+        for (int64_t h = h0; h < h1; h++)                                                                \
+            for (int64_t d0 = 0; d0 < D; d0 += PV_COLS) {                                                \
+                const int64_t w = D - d0 < PV_COLS ? (D - d0) / 8 : PV_COLS / 8;                         \
+                const float *sh = scores + (h - h0) * G * max_len;                                       \
+                v8f a[MAX_GROUP][PV_COLS / 8];                                                           \
+                for (int g = 0; g < G; g++)                                                              \
+                    for (int j = 0; j < PV_COLS / 8; j++) a[g][j] = splat8(0.f);                         \
+                for (int64_t i = 0; i < n; i++) {                                                        \
+                    if (i + PF < n) prefetch_row(V + rows[i + PF] + h * D + d0, 8 * w * (int64_t)sizeof(T)); \
+                    const T *v = V + rows[i] + h * D + d0;                                               \
+                    for (int j = 0; j < PV_COLS / 8; j++) {                                              \
+                        if (j >= w) break;                                                               \
+                        const v8f vv = LOAD8(v + 8 * j);                                                 \
+                        for (int g = 0; g < G; g++) a[g][j] += sh[g * max_len + i] * vv;                 \
                     }                                                                                    \
                 }                                                                                        \
+                for (int g = 0; g < G; g++)                                                              \
+                    for (int j = 0; j < w; j++) store8_f32(acc + ((h - h0) * G + g) * D + d0 + 8 * j, a[g][j]); \
             }                                                                                            \
-        }                                                                                                \
     }                                                                                                    \
     /* One item: sequence b, KV heads h0..h1, and of its context positions part `part` of `parts`. With  \
      * one part the result goes to out; with several, the part's unnormalised sums, its max score and   \
