@@ -99,7 +99,6 @@ for (int v4 = 0; v4 < bw / 16; v4 += 4)
 }
 #endif
 
-
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /* The maps of blocks blk0 .. blk0 + 15 (those before the row's end) of a group's rows, for the 32-weight
  * formats, whose block starts with d (Q4_1, Q5_1: then m): one gather of the 16 blocks' first 4 bytes
@@ -120,8 +119,7 @@ static inline __attribute__((always_inline)) void maps16_avx512(int fmt, const u
                                    : _mm512_set1_ps(-0.f));
     }
 }
-#endif
-#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+
 /* One group of 4 weight rows against RB rows of x (16 lanes = one register). */
 static inline __attribute__((always_inline)) void tile_avx512(int fmt, int RB, const float *const xr[], int64_t k,
                                                               const uint8_t *const wr[GROUP], float out[][GROUP],
