@@ -110,8 +110,9 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
             }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
-    /* acc[(h * G + g) * D + d] += p[h, g, i] * V[row i, head h, d] over all rows, i in increasing order \
-     * (each element one multiply-add a row): held in registers over the rows, PV_COLS columns at a time. */ \
+    /* acc[(h * G + g) * D + d] = sum of p[h, g, i] * V[row i, head h, d] over all rows, i in increasing \
+     * order from 0 (each element one multiply-add a row): held in registers over the rows, PV_COLS      \
+     * columns at a time, every element of acc written. */                                              \
     INLINE void pv_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,                \
                             const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,               \
                             float *acc) {                                                                \
@@ -169,7 +170,6 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
             inv_sum[j] = 1.f / sum;                                                                      \
             if (parts > 1) partial[j * (D + 2) + D] = mx, partial[j * (D + 2) + D + 1] = sum;            \
         }                                                                                                \
-        memset(acc, 0, sizeof(float) * (size_t)(heads * D));                                             \
         BY_GROUP(G, PV_##SUFFIX)                                                                         \
         if (parts > 1) {                                                                                 \
             for (int64_t j = 0; j < heads; j++) memcpy(partial + j * (D + 2), acc + j * D, sizeof(float) * (size_t)D); \
