@@ -24,3 +24,16 @@ def test_a_kv_cache_takes_no_memory_until_used(dtype: torch.dtype) -> None:
     assert cache[1, 4095].abs().sum().item() == 0 and cache[0, 0, 0, 0, 0].item() == 0.0
     cache[0, :64].fill_(1.0)  # using blocks makes exactly those pages resident
     assert _resident_mb() - before >= cache[0, :64].numel() * cache.element_size() / 2**20 * 0.9
+
+
+def test_a_used_block_makes_only_its_own_pages_resident() -> None:
+    """A request's first tokens touch one block of K and one of V a layer. With huge pages (numpy asks for
+    them on large arrays) each touch made 2 MiB resident, 30 layers of SmolLM2 ~135 MB for a few tokens."""
+    cache = _zeros((2, 4096, 16, 4, 64), torch.float32, torch.device("cpu"))  # 128 MiB; a block is 16 KiB
+    before = _resident_mb()
+    for block in (0, 1000, 2000, 3000):
+        cache[0, block].fill_(1.0)
+        cache[1, block].fill_(1.0)
+    grown = _resident_mb() - before
+    assert cache[0, 1000].sum().item() == 16 * 4 * 64
+    assert grown < 1.0, f"8 blocks of 16 KiB made {grown:.1f} MiB resident"
