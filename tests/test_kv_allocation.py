@@ -37,3 +37,9 @@ def test_a_used_block_makes_only_its_own_pages_resident() -> None:
     grown = _resident_mb() - before
     assert cache[0, 1000].sum().item() == 16 * 4 * 64
     assert grown < 1.0, f"8 blocks of 16 KiB made {grown:.1f} MiB resident"
+
+
+def test_an_empty_cache_is_allowed() -> None:
+    """--num-kv-blocks 0 (or a stage with no layers' blocks) gives empty tensors, not an error."""
+    cache = _zeros((2, 0, 16, 4, 64), torch.bfloat16, torch.device("cpu"))
+    assert cache.shape == (2, 0, 16, 4, 64) and cache.dtype == torch.bfloat16

@@ -73,10 +73,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     transparent huge pages each layer's first tokens of K and of V would make 2 MiB resident apiece
     (SmolLM2 after 4 requests: 30 layers x ~4.5 MB, against ~0.3 MB of written KV a layer).
     """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    pages = mmap.mmap(-1, max(nbytes, 1))
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the OS's default page size
         pages.madvise(mmap.MADV_NOHUGEPAGE)
     # frombuffer keeps the map alive as long as the tensor (or a view of it) is.
