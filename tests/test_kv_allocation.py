@@ -40,6 +40,6 @@ def test_a_used_block_makes_only_its_own_pages_resident() -> None:
 
 
 def test_an_empty_cache_is_allowed() -> None:
-    """--num-kv-blocks 0 (or a stage with no layers' blocks) gives empty tensors, not an error."""
+    """A cache of no blocks is an empty tensor, not an error."""
     cache = _zeros((2, 0, 16, 4, 64), torch.bfloat16, torch.device("cpu"))
     assert cache.shape == (2, 0, 16, 4, 64) and cache.dtype == torch.bfloat16
