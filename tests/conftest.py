@@ -30,6 +30,18 @@ def smollm2_hf_dir(tmp_path_factory) -> Path:
     return out
 
 
+def cache_sharing_kernels(root: Path) -> Path:
+    """A new, empty forerun cache folder at `root` (point FORERUN_CACHE at it) whose kernels folder is
+    the user's, so a test that needs a cold cache for models or probes does not rebuild the C kernels
+    (half a minute on 2 cores)."""
+    from forerun.loader.model_source import cache_dir
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True)
+    (root / "kernels").symlink_to(kernels, target_is_directory=True)
+    return root
+
+
 def save_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, stored_dtype: str = "float32",
                     **overrides) -> Path:
     """A random model of `arch` with SmolLM2's tokenizer, saved as a Hugging Face folder with its

@@ -22,6 +22,7 @@ from forerun.kernels.compact_weights import CompactWeight
 from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
 from forerun.loader.gguf_weights import iter_gguf_weights
 from forerun.loader.gguf_tensors import dequantize_tensor
+from tests.conftest import cache_sharing_kernels
 
 LAYER_KEYS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -73,8 +74,9 @@ def mixed_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture
 def forerun_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
-    yield tmp_path / "cache"
+    root = cache_sharing_kernels(tmp_path / "cache")
+    monkeypatch.setenv("FORERUN_CACHE", str(root))
+    yield root
 
 
 @pytest.mark.parametrize("mix", MIXES)

@@ -26,6 +26,7 @@ from forerun.engine.tokenizer import Tokenizer
 from forerun.loader.gguf_convert import describe_gguf
 from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
 from forerun.loader.gguf_vocab import vocab_from_metadata
+from tests.conftest import cache_sharing_kernels
 
 _CORPUS = """The quick brown fox jumps over the lazy dog. A quick brown dog jumps over the lazy fox.
 Hello world! Hello there, general Kenobi. It's 2024 and numbers like 12345 and 3.14159 appear.
@@ -213,7 +214,7 @@ def test_bad_metadata_names_the_field(change: dict[str, object], field: str) -> 
 @pytest.fixture(scope="module")
 def llm(spm_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     with pytest.MonkeyPatch.context() as patch:  # the conversion's cache only, not the later tests'
-        patch.setenv("FORERUN_CACHE", str(tmp_path_factory.mktemp("forerun_cache")))
+        patch.setenv("FORERUN_CACHE", str(cache_sharing_kernels(tmp_path_factory.mktemp("spm") / "forerun_cache")))
         engine = LLM(model=str(spm_files[0]), dtype="float32", show_progress=False)
     with engine:
         yield engine

@@ -198,15 +198,35 @@ def test_rotary_equals_the_stock_ops_bit_for_bit(native, tokens, head_dim):
     assert ops.rotary(qk[:, 1:], cos, sin, head_dim) is None, "a width that is not whole heads"
 
 
-def test_a_changed_header_rebuilds_the_library(tmp_path, monkeypatch):
+@pytest.fixture
+def one_small_source(tmp_path, monkeypatch):
+    """The build reduced to one small source and header and no kernels to bind, so tests of the build's
+    caching and compiler handling take a second instead of compiling every kernel (half a minute)."""
     from forerun.kernels import build as kernel_build
+    source, header = tmp_path / "src" / "small.c", tmp_path / "src" / "small.h"
+    source.parent.mkdir()
+    header.write_text("#define SMALL 1\n")
+    source.write_text('#include "small.h"\n'
+                      "#ifdef FORERUN_EXPECT_DEFINE\n#ifndef FORERUN_CC_TAKES_ARGUMENTS\n"
+                      "#error the flag given in CC did not reach the compiler\n#endif\n#endif\n"
+                      "int small(void) { return SMALL; }\n")
+    monkeypatch.setattr(kernel_build, "SOURCES", [source])
+    monkeypatch.setattr(kernel_build, "HEADERS", [header])
+    monkeypatch.setattr(kernel_build, "SIGNATURES", {})
+    monkeypatch.setattr(kernel_build, "SIGNATURES_F32", {})
+    monkeypatch.setattr(kernel_build, "CFLAGS", [*kernel_build.CFLAGS, f"-I{source.parent}"])
+    return kernel_build
+
+
+def test_a_changed_header_rebuilds_the_library(tmp_path, one_small_source):
     cache = tmp_path / "kernels"
-    assert kernel_build.load_native_library(cache) is not None
+    assert one_small_source.load_native_library(cache) is not None
     first = {p.name for p in cache.glob("*.so")}
-    extra = tmp_path / "extra.h"
-    extra.write_text("/* a header the kernels include changed */\n")
-    monkeypatch.setattr(kernel_build, "HEADERS", kernel_build.HEADERS + [extra])
-    assert kernel_build.load_native_library(cache) is not None
+    assert one_small_source.load_native_library(cache) is not None
+    assert {p.name for p in cache.glob("*.so")} == first, "an unchanged build is reused"
+    one_small_source.HEADERS[0].write_text("#define SMALL 2  /* a header the kernels include changed */\n")
+    lib = one_small_source.load_native_library(cache)
+    assert lib is not None and lib.small() == 2
     assert len({p.name for p in cache.glob("*.so")} - first) == 1, "a stale library must not be reused"
 
 
@@ -238,14 +258,24 @@ def test_a_cache_folder_that_cannot_be_made_warns_once_and_falls_back(tmp_path, 
     assert len(warnings) == 1 and str(blocker) in warnings[0], caplog.text
 
 
-def test_cc_with_arguments_is_split_like_a_shell(tmp_path, monkeypatch, caplog):
+def test_cc_with_arguments_is_split_like_a_shell(tmp_path, monkeypatch, caplog, one_small_source):
     gcc = shutil.which("gcc")
     assert gcc is not None, "gcc is on every machine of this project"
+    monkeypatch.setattr(one_small_source, "CFLAGS", [*one_small_source.CFLAGS, "-DFORERUN_EXPECT_DEFINE"])
     monkeypatch.setenv("CC", f"{gcc} -DFORERUN_CC_TAKES_ARGUMENTS=1")
     with caplog.at_level(logging.WARNING):
-        lib = load_native_library(tmp_path / "kernels")
+        lib = one_small_source.load_native_library(tmp_path / "kernels")
     assert lib is not None and _warnings(caplog) == []
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+
+
+def test_a_failed_compile_warns_once_and_leaves_nothing(tmp_path, caplog, one_small_source):
+    one_small_source.SOURCES[0].write_text("int broken(void) { return }\n")
+    with caplog.at_level(logging.WARNING):
+        assert one_small_source.load_native_library(tmp_path / "kernels") is None
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and "error" in warnings[0], caplog.text
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [], "no library, object or temporary file left"
 
 
 def test_engine_without_a_usable_compiler_starts_on_stock_ops(tiny_llama_dir, tmp_path, monkeypatch, caplog):

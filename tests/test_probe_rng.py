@@ -21,6 +21,7 @@ from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
 from forerun.kernels import probe
+from tests.conftest import cache_sharing_kernels
 
 SHAPES = [(64, 96, 2), (96, 64, 2), (64, 500, 1)]
 PROMPTS = [[5, 6, 7, 8, 9] * 3, [100, 200, 300], list(range(10, 40))]
@@ -52,11 +53,7 @@ def test_probe_measurements_leave_the_global_rng_alone(lib, tmp_path, monkeypatc
 def cold_cache(tmp_path, monkeypatch) -> Path:
     """An empty forerun cache (FORERUN_CACHE, inherited by worker processes) whose kernels folder is
     the user's, so the C kernels are not rebuilt; returns where the probe's cache file will be."""
-    kernels = cache_dir() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    root = tmp_path / "forerun-cache"
-    root.mkdir()
-    (root / "kernels").symlink_to(kernels, target_is_directory=True)
+    root = cache_sharing_kernels(tmp_path / "forerun-cache")
     monkeypatch.setenv("FORERUN_CACHE", str(root))
     return root / "cpu_probe.json"
 
