@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.huge_pages import HugePageArena
 from forerun.kernels.linear import LinearPlan, Small
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.types import LinearFn
@@ -213,6 +214,7 @@ class MergedColumnParallelLinear(PackableLinear):
             self._parts[part] = full.narrow_rows(self.tp.rank * n, n)
             if not self._dense_parts and len(self._parts) == len(self.sizes):
                 self.set_blocks(_merge([self._parts[i] for i in range(len(self.sizes))]))
+                self._parts.clear()  # merged parts are copies: holding the originals too doubles them
         else:
             target = getattr(self, param)
             target.data.narrow(0, self.offsets[part], n).copy_(full.narrow(0, self.tp.rank * n, n))
@@ -327,3 +329,38 @@ def _merge(parts: list[CompactWeight]) -> list[CompactWeight]:
         joined = CompactWeight.cat([merged[-1], part])
         merged[-1:] = [joined] if joined is not None else [merged[-1], part]
     return merged
+
+
+def place_blocks_on_huge_pages(model: nn.Module) -> int:
+    """Move every GGUF block matrix `model` holds (linear layers' blocks, embedding tables) into one
+    memory map of huge pages (forerun.kernels.huge_pages: the decode GEMVs stream them faster), each
+    original dropped as soon as it is copied; returns the bytes moved. Call before the kernels are
+    built, since they keep pointers to the blocks."""
+    holders = [m for m in model.modules() if isinstance(m, (PackableLinear, VocabParallelEmbedding))]
+    sizes: dict[int, int] = {}
+    for m in holders:
+        for w in _held_blocks(m):
+            sizes[id(w)] = w.data.numel() * w.data.element_size()
+    if not sizes:
+        return 0
+    arena = HugePageArena(HugePageArena.room_for(list(sizes.values())))
+    moved: dict[int, CompactWeight] = {}  # keys: originals, alive until their last holder lets go
+
+    def move(w: CompactWeight) -> CompactWeight:
+        if id(w) not in moved:
+            moved[id(w)] = CompactWeight(w.fmt, arena.copy(w.data), w.k)
+        return moved[id(w)]
+
+    for m in holders:
+        if isinstance(m, PackableLinear) and m.blocks:
+            m.blocks = [move(w) for w in m.blocks]
+        if isinstance(m, VocabParallelEmbedding) and m.table is not None:
+            m.table = move(m.table)
+    return sum(sizes.values())
+
+
+def _held_blocks(module: nn.Module) -> list[CompactWeight]:
+    held = list(module.blocks or []) if isinstance(module, PackableLinear) else []
+    if isinstance(module, VocabParallelEmbedding) and module.table is not None:
+        held.append(module.table)
+    return held

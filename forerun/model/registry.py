@@ -11,9 +11,11 @@ import torch
 from torch import Tensor
 
 from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.huge_pages import return_free_heap
 from forerun.loader.weights import is_gguf_folder, iter_model_weights
 from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.dummy import init_dummy_weights
+from forerun.model.layers import place_blocks_on_huge_pages
 from forerun.model.llama import (LlamaArgs, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                  Qwen3ForCausalLM, matmul_shapes)
 from forerun.model.parallel import PPStage, TPGroup
@@ -97,6 +99,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
         # Loaded first, converted after: the matrices that stay blocks then never take dense memory.
         model.load_weights(weights)
         model.to(dtype)
+        if device.type == "cpu" and place_blocks_on_huge_pages(model):
+            return_free_heap()  # the blocks' first copies
     else:
         model.to(dtype)
         model.load_weights(iter_model_weights(Path(folder)))

@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
+from forerun.kernels.huge_pages import return_free_heap
 from forerun.model.layers import PackableLinear
 
 MADV_DONTNEED = 4
@@ -60,7 +61,7 @@ class SleepState:
         on_cuda = any(p.is_cuda for p in model.parameters())
         if level == 2 or on_cuda:  # level 1 on CUDA moves the weights to the CPU (vLLM's offload)
             freed += sum(self._release(p.detach(), "weights", keep=level == 1) for p in _unique(model.parameters()))
-        _return_heap_to_os()
+        return_free_heap()
         self.asleep, self.level = set(TAGS), level
         return freed
 
@@ -127,14 +128,6 @@ def _calloc_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     import numpy as np  # zero pages from calloc: nothing resident until written
     np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}[dtype]
     return torch.from_numpy(np.zeros(shape, dtype=np_dtype)).view(dtype)
-
-
-def _return_heap_to_os() -> None:
-    """Freed small blocks stay in malloc's heap; malloc_trim hands its free pages back (glibc only)."""
-    gc.collect()
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:

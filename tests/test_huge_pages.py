@@ -1,0 +1,86 @@
+"""GGUF blocks live once, in one memory map of transparent huge pages (forerun.kernels.huge_pages)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from gguf_factory import write_model_gguf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from forerun.kernels.compact_weights import CompactWeight
+from forerun.kernels.huge_pages import HUGE_PAGE, HugePageArena
+from forerun.loader.gguf_convert import describe_gguf
+from forerun.model.registry import load_model
+from gguf_factory import tiny_vocab
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kib_at(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_arena_copies_are_equal_aligned_and_checked() -> None:
+    tensors = [torch.randint(0, 256, (3, 1001), dtype=torch.uint8), torch.randn(5, 7),
+               torch.randn(4 << 20 >> 2), torch.arange(10, dtype=torch.int16)[::2]]  # the last one strided
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    arena = HugePageArena(HugePageArena.room_for(sizes))
+    copies = [arena.copy(t) for t in tensors]
+    for t, c in zip(tensors, copies):
+        assert torch.equal(t, c) and c.dtype == t.dtype and c.is_contiguous()
+        assert c.data_ptr() % 64 == 0
+    assert copies[0].data_ptr() % HUGE_PAGE == 0, "the arena starts on a huge-page boundary"
+    assert all(b.data_ptr() > a.data_ptr() for a, b in zip(copies, copies[1:])), "back to back, in order"
+    with pytest.raises(ValueError, match="t: "):
+        arena.copy(torch.zeros(1, dtype=torch.uint8))  # full
+    if THP_SETTING.is_file() and "[never]" not in THP_SETTING.read_text():
+        assert _huge_kib_at(copies[2].data_ptr()) >= HUGE_PAGE // 1024, "the 4 MiB copy sits on huge pages"
+
+
+def _model_gguf(tmp_path: Path) -> Path:
+    vocab = len(tiny_vocab()[0])
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    path = tmp_path / "m.gguf"
+    # One format for q/k/v and gate/up: each packed layer stacks its parts into one block matrix.
+    write_model_gguf(path, LlamaForCausalLM(config).eval(), "llama", gguf.GGMLQuantizationType.Q4_1)
+    return path
+
+
+def _compact_weights(model: torch.nn.Module) -> list[CompactWeight]:
+    """Every CompactWeight a module holds: as an attribute, or in a list or dict attribute."""
+    found = []
+    for module in model.modules():
+        for value in vars(module).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            found += [v for v in items if isinstance(v, CompactWeight)]
+    return found
+
+
+def test_a_gguf_model_holds_each_block_matrix_once_in_one_arena(tmp_path: Path) -> None:
+    path = _model_gguf(tmp_path)
+    describe_gguf(path, tmp_path / "model")
+    model = load_model(tmp_path / "model", torch.float32, torch.device("cpu"))
+    held = {w.data.data_ptr(): w for w in _compact_weights(model)}
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors
+                     if t.tensor_type == gguf.GGMLQuantizationType.Q4_1)
+    # Merged q/k/v and gate/up are copies of their parts: a module that kept the parts too would
+    # hold more than the file's blocks (and outside the arena).
+    assert sum(w.data.numel() for w in held.values()) == file_bytes
+    start = min(held)
+    assert start % HUGE_PAGE == 0
+    assert max(p + w.data.numel() for p, w in held.items()) - start < file_bytes + 64 * len(held)
