@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from forerun.sampling_params import SamplingParams
+from forerun.worker.zero_pages import zeros_array
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
         self.max_model_len = max_model_len
-        self.token_buf = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
+        # Sized for every row at the longest context (SmolLM2: 256 x 8192 tokens, 16 MiB): on zero
+        # pages only the rows' written tokens are resident.
+        self.token_buf = zeros_array((max_num_seqs, max_model_len), np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)
         self.temperature = np.zeros(max_num_seqs, dtype=np.float32)

@@ -6,7 +6,6 @@ import ctypes
 import dataclasses
 import json
 import logging
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunn
 from forerun.worker.pp_runner import PipelineModelRunner
 from forerun.worker.sleep import SleepState
 from forerun.worker.stage_link import StageLink
+from forerun.worker.zero_pages import zero_pages
 
 logger = logging.getLogger(__name__)
 # Batch-invariant mode in bf16: GGUF matmuls of up to this many rows run the ordered GEMV, larger ones the
@@ -76,11 +76,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the OS's default page size
-        pages.madvise(mmap.MADV_NOHUGEPAGE)
     # frombuffer keeps the map alive as long as the tensor (or a view of it) is.
-    return torch.frombuffer(pages, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
+    return torch.frombuffer(zero_pages(nbytes, small_pages=True), dtype=dtype,
+                            count=nbytes // dtype.itemsize).view(shape)
 
 
 class Worker:
