@@ -8,14 +8,13 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from gguf_factory import write_model_gguf
+from gguf_factory import tiny_vocab, write_model_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.huge_pages import HUGE_PAGE, HugePageArena
 from forerun.loader.gguf_convert import describe_gguf
 from forerun.model.registry import load_model
-from gguf_factory import tiny_vocab
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -2,9 +2,9 @@
 
 The kernels need no torch headers (plain C, `-O3 -march=native -fopenmp`); each source compiles in
 its own compiler process, as many at once as there are cores, then one link makes the library (about
-18 s on 2 cores, once per machine). The library is cached by sources, flags and CPU. When no compiler is found, the build
-fails or its cache folder cannot be written, `load_native_library` logs one warning and returns None,
-and the model keeps its stock-PyTorch ops.
+17 s on 2 cores, once per machine). The library is cached by sources, flags and CPU. When no compiler
+is found, the build fails or its cache folder cannot be written, `load_native_library` logs one
+warning and returns None, and the model keeps its stock-PyTorch ops.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ prefetchers also stop at every 4 KiB boundary. Reading 600 MB of blocks (8192 x 
 threads, Intel Xeon VM, interleaved runs, median) the block GEMV streamed Q4_1 at 7.9 GB/s from
 small pages and 11.9 GB/s from huge pages; Q8_0 11.8 against 15.8, Q4_K 7.1 against 9.7.
 
-The map is private and anonymous (a shared one is shmem, whose huge pages this kernel config turns
-off), starts on a 2 MiB boundary, and holds the tensors back to back on 64-byte boundaries, so it
-costs at most one partly used huge page over the tensors' own bytes. Where the OS has no
-transparent huge pages the same map simply keeps small pages.
+The map is private and anonymous (a shared one is shmem, whose huge pages Linux configures apart
+and often leaves off), starts on a 2 MiB boundary, and holds the tensors back to back on 64-byte
+boundaries, so it costs at most one partly used huge page over the tensors' own bytes. Where the OS
+has no transparent huge pages the same map simply keeps small pages.
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def drop_kernel_copies(model: nn.Module) -> None:
             continue
         module._matmul, module.small, module.small_rows = None, None, 0
         if not module.weight.numel() and module.dense_shape is not None:
-            module.weight = nn.Parameter(_zero_pages_tensor(module.dense_shape, module.weight.dtype), requires_grad=False)
+            zeros = _zero_pages_tensor(module.dense_shape, module.weight.dtype)
+            module.weight = nn.Parameter(zeros, requires_grad=False)
     gc.collect()
 
 
