@@ -214,7 +214,6 @@ def one_small_source(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_build, "HEADERS", [header])
     monkeypatch.setattr(kernel_build, "SIGNATURES", {})
     monkeypatch.setattr(kernel_build, "SIGNATURES_F32", {})
-    monkeypatch.setattr(kernel_build, "CFLAGS", [*kernel_build.CFLAGS, f"-I{source.parent}"])
     return kernel_build
 
 

@@ -21,13 +21,12 @@ import gc
 import mmap
 from typing import Iterable
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from forerun.kernels.huge_pages import return_free_heap
 from forerun.model.layers import PackableLinear
-from forerun.worker.zero_pages import zeros_array
+from forerun.worker.zero_pages import zeros_tensor
 
 MADV_DONTNEED = 4
 TAGS = ("weights", "kv_cache")
@@ -122,15 +121,9 @@ def drop_kernel_copies(model: nn.Module) -> None:
             continue
         module._matmul, module.small, module.small_rows = None, None, 0
         if not module.weight.numel() and module.dense_shape is not None:
-            zeros = _zero_pages_tensor(module.dense_shape, module.weight.dtype)
-            module.weight = nn.Parameter(zeros, requires_grad=False)
+            # Untouched zero pages: nothing resident until load_weights writes them.
+            module.weight = nn.Parameter(zeros_tensor(module.dense_shape, module.weight.dtype), requires_grad=False)
     gc.collect()
-
-
-def _zero_pages_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """Zeros on untouched pages (forerun.worker.zero_pages): nothing resident until written."""
-    np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}[dtype]
-    return torch.from_numpy(zeros_array(shape, np_dtype)).view(dtype)
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:

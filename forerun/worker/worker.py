@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -40,7 +39,7 @@ from forerun.worker.pooling_runner import EncoderPoolingRunner, PoolingModelRunn
 from forerun.worker.pp_runner import PipelineModelRunner
 from forerun.worker.sleep import SleepState
 from forerun.worker.stage_link import StageLink
-from forerun.worker.zero_pages import zero_pages
+from forerun.worker.zero_pages import zeros_tensor
 
 logger = logging.getLogger(__name__)
 # Batch-invariant mode in bf16: GGUF matmuls of up to this many rows run the ordered GEMV, larger ones the
@@ -73,12 +72,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     transparent huge pages each layer's first tokens of K and of V would make 2 MiB resident apiece
     (SmolLM2 after 4 requests: 30 layers x ~4.5 MB, against ~0.3 MB of written KV a layer).
     """
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if device.type != "cpu" or nbytes == 0:
+    if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # frombuffer keeps the map alive as long as the tensor (or a view of it) is.
-    return torch.frombuffer(zero_pages(nbytes, small_pages=True), dtype=dtype,
-                            count=nbytes // dtype.itemsize).view(shape)
+    return zeros_tensor(shape, dtype, small_pages=True)
 
 
 class Worker:

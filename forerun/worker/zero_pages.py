@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
+import torch
 
 
 def zero_pages(nbytes: int, small_pages: bool = False) -> mmap.mmap:
@@ -31,3 +32,12 @@ def zeros_array(shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
     if nbytes == 0:  # the OS refuses a zero-length map
         return np.zeros(shape, dtype=dtype)
     return np.frombuffer(zero_pages(nbytes), dtype=dtype).reshape(shape)
+
+
+def zeros_tensor(shape: tuple[int, ...], dtype: torch.dtype, small_pages: bool = False) -> torch.Tensor:
+    """A CPU zero tensor of `shape` on zero pages (`small_pages` as for `zero_pages`); it keeps its
+    map alive as long as it or a view of it lives."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:  # the OS refuses a zero-length map
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(zero_pages(nbytes, small_pages), dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
