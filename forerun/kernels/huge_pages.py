@@ -58,12 +58,38 @@ class HugePageArena:
         return sum(-(-n // ALIGN) * ALIGN for n in nbytes)
 
 
+# glibc's mallopt parameters, and the value both thresholds are fixed at (see fix_heap_thresholds).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+HEAP_THRESHOLD = 32 << 20
+
+
+def _libc() -> ctypes.CDLL | None:
+    path = ctypes.util.find_library("c")
+    return ctypes.CDLL(path) if path else None
+
+
 def return_free_heap() -> None:
     """Hand malloc's free pages back to the OS (glibc's malloc_trim; elsewhere nothing). Freed blocks
     below malloc's map threshold stay in its heap and count as resident: after the blocks moved into
     the arena, `forerun serve` on SmolLM2 Q4_1 held 46 MB more resident without this."""
     gc.collect()
-    path = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(path) if path else None
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def fix_heap_thresholds() -> None:
+    """Fix glibc's map and trim thresholds at HEAP_THRESHOLD (elsewhere nothing); call before loading.
+
+    Why: a worker thread's malloc arena keeps the free memory at its top resident until that top
+    exceeds the trim threshold, which glibc raises with every large block freed (up to 64 MiB), and
+    malloc_trim does not trim a thread arena's top. The weights' first copies, freed there after the
+    move to huge pages, then stayed resident or not depending on where the last live allocation
+    happened to sit: 27 MB of them for SmolLM2 Q4_1 after an unrelated change to the C kernels. With
+    both thresholds fixed, a top over 32 MiB is returned on the next free; allocations under 32 MiB
+    (a step's activations and logits) still come from the heap, not from a new map and its page
+    faults each step."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, HEAP_THRESHOLD)

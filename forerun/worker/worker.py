@@ -19,6 +19,7 @@ from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
+from forerun.kernels.huge_pages import fix_heap_thresholds
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.block_linear import small_block_linear
@@ -97,6 +98,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            fix_heap_thresholds()  # before loading: the weights' first copies are then given back
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group(distributed_backend(self.device), init_method=dist_init_method,
                                     rank=rank, world_size=world_size)
