@@ -83,3 +83,56 @@ def test_a_gguf_model_holds_each_block_matrix_once_in_one_arena(tmp_path: Path) 
     start = min(held)
     assert start % HUGE_PAGE == 0
     assert max(p + w.data.numel() for p, w in held.items()) - start < file_bytes + 64 * len(held)
+
+
+
+# In a fresh interpreter, so that malloc's thresholds start at glibc's defaults. A worker thread first
+# frees one large block (as loading does; glibc then raises its thresholds), then frees 48 MiB of
+# pieces (as the weights' first copies are freed after their move to huge pages); a 20 MiB block is
+# mapped on its own under glibc's default threshold, and comes from the heap once it is fixed.
+_HEAP_SCRIPT = """
+import sys, threading
+import numpy as np
+from forerun.kernels.huge_pages import fix_heap_thresholds, return_free_heap
+def rss():
+    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmRSS"))) // 1024
+def region(address):
+    for line in open("/proc/self/maps"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return start
+def load():
+    if sys.argv[1] == "fixed":
+        fix_heap_thresholds()
+    small = np.ones(1024, np.float32)  # the thread's arena, made at its first block
+    block = np.ones(20 << 18, np.float32)
+    mapped = region(block.ctypes.data) != region(small.ctypes.data)
+    del block
+    parts = [np.ones(1 << 18, np.float32) for _ in range(48)]
+    keep = np.ones(16, np.float32)
+    resident = rss()
+    del parts
+    return_free_heap()
+    print(int(mapped), resident - rss())
+thread = threading.Thread(target=load)
+thread.start()
+thread.join()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads maps and resident memory from /proc")
+def test_fixed_heap_thresholds_keep_blocks_in_the_heap_and_give_freed_memory_back() -> None:
+    import subprocess
+    import sys
+
+    def run(mode: str) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, mode], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        mapped, returned = out.stdout.split()
+        return int(mapped), int(returned)
+
+    mapped, returned = run("fixed")
+    assert not mapped  # a 20 MiB block: from the heap, no map and page faults of its own
+    assert returned >= 40  # MiB of the 48 freed: a free top over the trim threshold went back
+    assert run("default")[0]  # glibc's own threshold maps it (else this test would show nothing)
