@@ -21,17 +21,20 @@ PROMPTS = [[7, 8, 9] * 7, [30, 31], list(range(50, 90)), [5] * 16, [11, 12, 13],
 MAX_TOKENS = [30, 12, 22, 8, 26, 18]
 
 
-def _run(folder, eager: bool, dtype: str = "float32", **kw) -> tuple[list, int]:
-    """(tokens and logprobs per prompt, fused calls) for one engine."""
+def _run(folder, eager: bool, dtype: str = "float32", whole_steps: list | None = None, **kw) -> tuple[list, int]:
+    """(tokens and logprobs per prompt, fused calls) for one engine; `whole_steps` collects the fused
+    calls that ran from token ids to the logits (decode_step_f32)."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
     kw.setdefault("gemv_max_rows", 4)
     with LLM(model=str(folder), dtype=dtype, enforce_eager=eager, show_progress=False, **kw) as llm:
         fused = llm.engine.core.executor.worker.model.decode_layers
         assert (fused is None) == eager
-        calls = []
+        calls: list = []
+        whole = calls if whole_steps is None else whole_steps
         if fused is not None:
-            run = fused.fn
+            run, run_whole = fused.fn, fused._step_fn
             fused.fn = lambda *a: calls.append(1) or run(*a)
+            fused._step_fn = lambda *a: calls.append(1) or whole.append(1) or run_whole(*a)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(calls)
 
@@ -42,10 +45,12 @@ def test_fused_step_matches_layer_by_layer_exactly(tmp_path, smollm2_dir, arch, 
     # bf16-stored weights give every matmul an exact compact form, as a bf16 checkpoint does.
     folder = save_tiny_model(tmp_path / arch, smollm2_dir, arch, stored_dtype="bfloat16", **overrides)
     eager, _ = _run(folder, eager=True)
-    fused, calls = _run(folder, eager=False)
+    whole: list = []
+    fused, calls = _run(folder, eager=False, whole_steps=whole)
     assert fused == eager  # token ids and every logprob, bit for bit
-    # one call per decode step of at most 4 rows: about 18 once the batch has shrunk to 4
-    assert calls >= 12
+    # one call per decode step of at most 4 rows: about 18 once the batch has shrunk to 4; in fp32 each
+    # runs the whole step, from the embedding (a dense fp32 table here) to the logits
+    assert calls >= 12 and len(whole) == calls
 
 
 # The bf16 module path rounds after every op and the fused step keeps fp32 between ops, so they agree
@@ -95,10 +100,37 @@ def test_fused_step_runs_packed_layers_in_several_formats(tmp_path, monkeypatch,
     if mode == "invariant":  # the mode measures its GEMV crossover (gemv_max_rows is refused): pin 4 rows
         monkeypatch.setattr("forerun.worker.worker.choose_gemv_rows", lambda *a, **k: (4, {}))
     eager, _ = _run(path, eager=True, **kw)
-    fused, calls = _run(path, eager=False, **kw)
-    assert calls >= 12
+    whole: list = []
+    fused, calls = _run(path, eager=False, whole_steps=whole, **kw)
+    assert calls >= 12 and len(whole) == calls  # the whole step: its embedding is a table of blocks
     assert fused == eager  # token ids and every logprob, bit for bit
     assert len({t for tokens, _ in eager for t in tokens}) > 3  # the random model says more than one thing
+
+
+def test_whole_step_hands_over_its_logits_and_refuses_bad_ids(tmp_path):
+    # Each whole step computes its rows' logits in the same call; the model hands them over instead of
+    # running the LM head again (the tokens above equal the module path's, so they are the same logits).
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
+    with LLM(model=str(path), dtype="float32", gemv_max_rows=4, show_progress=False) as llm:
+        model = llm.engine.core.executor.worker.model
+        fused, head = model.decode_layers, model.lm_head
+        handed, heads, steps = [], [], []
+        logits_of, run_head, step = fused.logits_of, head.forward, fused.step
+        fused.logits_of = lambda h: (lambda out: handed.append(out is not None) or out)(logits_of(h))
+        head.forward = lambda h: heads.append(h.shape[0]) or run_head(h)
+        fused.step = lambda *a: steps.append(a) or step(*a)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert len(steps) == 11 and handed.count(True) == 11  # every decode step's logits came from the step
+        assert heads == [1]  # the head ran once, for the prompt's last token
+        ids, positions, caches, meta = steps[-1]
+        bad = ids.clone()
+        bad[0] = model.args.vocab_size
+        with pytest.raises(ValueError, match="input_ids"):
+            step(bad, positions, caches, meta)
+        far = positions.clone()
+        far[0] = model.model.rotary.table.shape[0]
+        with pytest.raises(ValueError, match="positions"):
+            step(ids, far, caches, meta)
 
 
 def test_int8_activations_change_results_within_their_rounding(tmp_path):

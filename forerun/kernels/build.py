@@ -56,6 +56,7 @@ SIGNATURES_F32 = {
     "gemv_q8": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "gemv_q8_isas": (_INT, []),
     "dequant_rows": (_INT, [_PTR, _I64, _INT, _I64, _I64, _PTR, _INT]),
+    "decode_step": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT]),
     "gemm_blocks": (_INT, [_PTR, _INT, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "gemm_blocks_isas": (_INT, [_INT]),
     "gemm_lanes": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]),

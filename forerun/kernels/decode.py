@@ -9,6 +9,11 @@ everything else (prefill, larger batches, other dtypes or devices, tensor or pip
 keeps the module path. `enforce_eager` turns it off. It is handed the layers' weights and sizes as
 plain data (`DecodeLayerWeights`, `DecodeDims`) and knows no model class.
 
+In an fp32 engine given the model's ends (`DecodeEnds`: embedding, rotary table, final norm),
+`step` runs the whole step from token ids to the final-norm hidden states in that one call: after
+the layers have streamed the weights through the caches, the few torch calls around them ran cold, at
+10-20 times their warm time (see `csrc/decode_layers.c`).
+
 In a bf16 engine (`kv_dtype` bf16) the step runs in fp32 with a bf16 KV cache: the hidden states and
 norm weights convert to fp32 at the call (exact), the cache holds bf16 as the module path's does, and
 the result rounds back to bf16. It then equals the bf16 module path within bf16 rounding only (the
@@ -28,7 +33,9 @@ from forerun.kernels.attention import shape_supported
 from forerun.kernels.build import profiled
 from forerun.kernels.block_linear import JoinedGemv, Small
 from forerun.kernels.block_matmul import OrderedGemv
+from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemv import CompactLinear
+from forerun.kernels.kquant_gemv import FORMATS
 from forerun.kernels.ops import PARALLEL_MIN_ELEMENTS
 from forerun.kernels.types import DecodeBatch
 
@@ -65,6 +72,31 @@ class DecodeDims:
     scale: float
 
 
+@dataclass(frozen=True)
+class DecodeEnds:
+    """What a whole step adds around the layers (fp32 engines): the embedding table, as GGUF blocks
+    (`embed` a CompactWeight in a format the block kernels read, or bf16) or a dense fp32 tensor
+    [vocab, hidden]; the rotary table [positions, 2 * head_dim] (cos factors, then sin factors); the
+    final norm's fp32 weight; the LM head's compact-weight matmul for up to `head_rows` rows (None: the
+    model computes the logits). The model keeps the tensors alive."""
+
+    embed: CompactWeight | Tensor
+    rotary: Tensor
+    final_norm: Tensor
+    head: Small | None = None
+    head_rows: int = 0
+
+    def supported(self) -> bool:
+        """Whether the C step reads these tables (else the model's own modules run them)."""
+        embed = self.embed
+        if isinstance(embed, CompactWeight):
+            table = embed.fmt in ("bf16", *FORMATS) and embed.data.is_contiguous()
+        else:
+            table = embed.dtype == torch.float32 and embed.dim() == 2 and embed.is_contiguous()
+        return (table and self.rotary.dtype == torch.float32 and self.rotary.is_contiguous()
+                and self.final_norm.dtype == torch.float32 and self.final_norm.is_contiguous())
+
+
 MAX_PARTS = 3  # decode_layers.c: parts of one packed matmul in their own formats (q, k, v)
 
 
@@ -87,6 +119,28 @@ class _Shape(ctypes.Structure):
 class _Batch(ctypes.Structure):
     _fields_ = [("rows", _I64), ("cos", _PTR), ("sin", _PTR), ("cos_sin_stride", _I64), ("slots", _PTR),
                 ("tables", _PTR), ("table_stride", _I64), ("lens", _PTR), ("max_len", _I64)]
+
+
+class _Ends(ctypes.Structure):
+    _fields_ = [("ids", _PTR), ("positions", _PTR), ("embed", _PTR), ("embed_fmt", _I64), ("embed_rows", _I64),
+                ("embed_row_bytes", _I64), ("rotary", _PTR), ("rotary_rows", _I64), ("final_norm", _PTR),
+                ("head", _PTR), ("head_n", _I64)]
+
+
+TABLE_F32, TABLE_BF16 = -1, -2  # decode_layers.c: an embedding of plain fp32 or bf16 rows
+
+
+def _ends(ends: DecodeEnds) -> _Ends:
+    """The C view of `ends`, ids and positions unset."""
+    embed = ends.embed
+    if isinstance(embed, CompactWeight):
+        fmt = TABLE_BF16 if embed.fmt == "bf16" else FORMATS[embed.fmt].code
+        table, row_bytes = embed.data, embed.data.shape[1]
+    else:
+        fmt, table, row_bytes = TABLE_F32, embed, embed.shape[1] * 4
+    return _Ends(embed=table.data_ptr(), embed_fmt=fmt, embed_rows=table.shape[0], embed_row_bytes=row_bytes,
+                 rotary=ends.rotary.data_ptr(), rotary_rows=ends.rotary.shape[0],
+                 final_norm=ends.final_norm.data_ptr())
 
 
 BLOCK_FMT = 256  # decode_layers.c: a format code at or above it names the block GEMV's ggml type
@@ -118,10 +172,12 @@ class DecodeLayers:
     and activation, and C decode attention (the model checks its own side)."""
 
     def __init__(self, lib: ctypes.CDLL, layers: Sequence[DecodeLayerWeights], dims: DecodeDims,
-                 max_rows: int, kv_dtype: torch.dtype = torch.float32, split: bool = True) -> None:
+                 max_rows: int, kv_dtype: torch.dtype = torch.float32, split: bool = True,
+                 ends: DecodeEnds | None = None) -> None:
         if kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_dtype: the fused decode step takes a float32 or bfloat16 cache, not {kv_dtype}")
         self.fn = lib.decode_layers_f32 if kv_dtype == torch.float32 else lib.decode_layers_bf16
+        self._step_fn = lib.decode_step_f32
         self.dtype = kv_dtype
         self.max_rows = max_rows
         self.split = split  # False: attention never splits a context (batch-invariant mode)
@@ -141,6 +197,11 @@ class DecodeLayers:
         # again only if they change.
         self._caches: list[int] = []
         self._shape = _Shape()
+        # The whole step from token ids (fp32 engines whose embedding table the C step reads).
+        self.ends = ends if ends is not None and ends.supported() and kv_dtype == torch.float32 else None
+        self._ends = None if self.ends is None else _ends(self.ends)
+        self._head = None if self.ends is None or self.ends.head is None else _matmul(self.ends.head)
+        self._last: tuple[Tensor, Tensor] | None = None  # the last step's (hidden states, logits)
 
     @staticmethod
     def shape_supported(dims: DecodeDims) -> bool:
@@ -157,10 +218,19 @@ class DecodeLayers:
                 and cos.dtype == sin.dtype and cos.dtype in (torch.float32, self.dtype)
                 and meta.decode_blocks is not None and meta.slot_mapping.is_contiguous())
 
-    def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
-                 meta: DecodeBatch) -> tuple[Tensor, Tensor]:
-        """(hidden, residual) after the last layer, from the embedded tokens `hidden` [rows, hidden_size]
-        (updated in place when fp32)."""
+    def accepts_ids(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
+                    meta: DecodeBatch) -> bool:
+        """Whether `step` takes this step (else the caller embeds and runs `__call__` or the modules)."""
+        first = kv_caches[0]
+        return (self.ends is not None and meta.all_decode and input_ids.shape[0] <= self.max_rows
+                and input_ids.dtype == torch.int64 and positions.dtype == torch.int64
+                and input_ids.is_contiguous() and positions.is_contiguous() and input_ids.device.type == "cpu"
+                and first.dtype == torch.float32 and first.is_contiguous()
+                and meta.decode_blocks is not None and meta.slot_mapping.is_contiguous())
+
+    def _batch(self, rows: int, kv_caches: list[Tensor], meta: DecodeBatch, cos: Tensor | None = None,
+               sin: Tensor | None = None) -> _Batch:
+        """The C view of this step's batch (cache pointers and shape refreshed when they changed)."""
         caches = [c.data_ptr() for c in kv_caches]
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         if caches != self._caches or num_blocks != self._shape.num_blocks:
@@ -170,14 +240,54 @@ class DecodeLayers:
             self._shape = _Shape(self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim, num_blocks,
                                  block_size, self.eps, self.scale, PARALLEL_MIN_ELEMENTS, int(self.split))
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
-        rows = hidden.shape[0]
+        return _Batch(rows, 0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
+                      0 if cos is None else cos.stride(0), meta.slot_mapping.data_ptr(),
+                      meta.decode_blocks.data_ptr(), meta.decode_len // block_size, meta.decode_seq_lens.data_ptr(),
+                      meta.decode_len)
+
+    def step(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: DecodeBatch) -> Tensor:
+        """The final-norm hidden states [rows, hidden_size] of a decode step from its token ids and
+        positions [rows] (int64): what the model's embedding, this step's layers and the final norm
+        give, bit for bit. Only where `accepts_ids` holds. ValueError names an id or position outside
+        the model's tables."""
+        assert self._ends is not None and self.ends is not None
+        rows = input_ids.shape[0]
+        batch = self._batch(rows, kv_caches, meta)
+        ends = self._ends
+        ends.ids, ends.positions = input_ids.data_ptr(), positions.data_ptr()
+        head = self._head is not None and rows <= self.ends.head_rows
+        ends.head, ends.head_n = (ctypes.addressof(self._head), self.ends.head.n) if head else (None, 0)
+        out, logits = torch.empty(rows, self.hidden), torch.empty(rows, ends.head_n)
+        hidden, residual = torch.empty(rows, self.hidden), torch.empty(rows, self.hidden)
+        self._last = None
+        with profiled("forerun::decode_step"):
+            failed = self._step_fn(self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(batch),
+                                   ctypes.byref(ends), out.data_ptr(), logits.data_ptr(), hidden.data_ptr(),
+                                   residual.data_ptr(), torch.get_num_threads())
+        if failed == 3:
+            raise ValueError(f"input_ids: a token id outside the vocabulary of {ends.embed_rows}")
+        if failed == 5:
+            raise ValueError(f"positions: a position at or past the rotary table's {ends.rotary_rows}")
+        if failed:
+            raise RuntimeError(f"decode step: the C kernels failed (code {failed})")
+        self._last = (out, logits) if head else None
+        return out
+
+    def logits_of(self, hidden: Tensor) -> Tensor | None:
+        """The LM head's logits of `hidden` when it is the last `step`'s output (that call computed
+        them; this hands them over once), else None."""
+        last, self._last = self._last, None
+        return last[1] if last is not None and last[0] is hidden else None
+
+    def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
+                 meta: DecodeBatch) -> tuple[Tensor, Tensor]:
+        """(hidden, residual) after the last layer, from the embedded tokens `hidden` [rows, hidden_size]
+        (updated in place when fp32)."""
         out_dtype = hidden.dtype
         if out_dtype != torch.float32:  # exact: the C step runs in fp32 (see the module docstring)
             hidden = hidden.float()
             cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        batch = _Batch(rows, cos.data_ptr(), sin.data_ptr(), cos.stride(0), meta.slot_mapping.data_ptr(),
-                       meta.decode_blocks.data_ptr(), meta.decode_len // block_size, meta.decode_seq_lens.data_ptr(),
-                       meta.decode_len)
+        batch = self._batch(hidden.shape[0], kv_caches, meta, cos, sin)
         residual = torch.empty_like(hidden)
         with profiled("forerun::decode_layers"):
             failed = self.fn(self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(batch),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.kernels.decode import DecodeDims, DecodeLayers, DecodeLayerWeights
+from forerun.kernels.decode import DecodeDims, DecodeEnds, DecodeLayers, DecodeLayerWeights
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
 from forerun.model.attention import AttentionBackend, AttentionMetadata, NativeDecodeBackend, TorchSDPABackend
@@ -252,6 +252,9 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.local_layers):
             raise ValueError(f"kv_caches: expected {len(self.local_layers)} layers, got {len(kv_caches)}")
         m = self.model
+        fused = self.decode_layers  # one C call from token ids to the final norm, where it applies
+        if fused is not None and fused.accepts_ids(input_ids, positions, kv_caches, attn):
+            return fused.step(input_ids, positions, kv_caches, attn)
         cos, sin = m.rotary.cos_sin(positions)  # shared by every layer
         if self.pp.is_first:
             hidden, residual = m.embed_tokens(input_ids), None
@@ -259,7 +262,6 @@ class LlamaForCausalLM(nn.Module):
             if intermediate is None:
                 raise ValueError(f"intermediate: stage {self.pp.index} needs the previous stage's activations")
             hidden, residual = intermediate
-        fused = self.decode_layers
         if fused is not None and residual is None and fused.accepts(hidden, cos, sin, kv_caches, attn):
             hidden, residual = fused(hidden, cos, sin, kv_caches, attn)
         else:
@@ -349,7 +351,10 @@ class LlamaForCausalLM(nn.Module):
                                               layer.post_attention_layernorm.weight, layer.self_attn.window))
         max_rows = min(lin.small_rows for layer in layers for lin in _linears(layer))
         kv_dtype = layers[0].input_layernorm.weight.dtype  # the engine's dtype, which its KV cache has
-        return DecodeLayers(lib, weights, self._decode_dims(), max_rows, kv_dtype, split)
+        embed = self.model.embed_tokens
+        ends = DecodeEnds(embed.weight if embed.table is None else embed.table, self.model.rotary.table,
+                          self.model.norm.weight, self.lm_head.small, self.lm_head.small_rows)
+        return DecodeLayers(lib, weights, self._decode_dims(), max_rows, kv_dtype, split, ends)
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""
@@ -358,8 +363,10 @@ class LlamaForCausalLM(nn.Module):
                 module.native = ops
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Full-vocab float32 logits [n, vocab] (gathered over ranks)."""
-        return self.lm_head(hidden).float()
+        """Full-vocab float32 logits [n, vocab] (gathered over ranks); those of a fused step's output
+        come from that step."""
+        logits = None if self.decode_layers is None else self.decode_layers.logits_of(hidden)
+        return self.lm_head(hidden).float() if logits is None else logits
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor | CompactWeight]]) -> None:
         """Load HF-named tensors: q/k/v and gate/up are packed, tensor-parallel shards are cut here. A

@@ -130,7 +130,11 @@ class ModelRunner:
                 counts = np.fromiter((1 + len(d) for d in row_drafts), np.int64, len(kept))
                 first = np.repeat(ends - counts, counts)
                 logits_idx = first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
+            # Every row's own position (a decode step): the rows as they are, which a fused step's
+            # logits are already computed for (forerun.kernels.decode).
+            every = len(logits_idx) == hidden.shape[0]  # distinct increasing positions: then 0 .. n-1
+            rows = hidden if every else hidden[torch.from_numpy(logits_idx).to(self.device)]
+            logits = self.model.compute_logits(rows)
         prompt_lps = compute_prompt_logprobs(self.model.compute_logits, hidden, states, cu, self.batch.token_buf)
         spans.append(("forward", spans[-1][2], time.perf_counter()))
         num_drafted = None if drafts is None else {rid: len(d) for rid, d in drafts.items()}

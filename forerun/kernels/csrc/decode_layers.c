@@ -12,6 +12,13 @@
  * and is updated in place; residual [rows, hidden] is written (the first layer starts from hidden
  * alone, as the module path does).
  *
+ * `decode_step_f32` is the whole step of an fp32 engine from token ids to the final-norm hidden states
+ * and the logits: the embedding rows, the rotary factors of each position, every layer, the final norm,
+ * then the LM head's matmul (as a layer's matmuls run, so the logits are the module path's). Why: after
+ * a step has streamed the weights through the caches, each of the few torch calls around the layers
+ * (an embedding lookup, a table gather, a norm) ran 10-20 times its warm time, cold in the TLB, and
+ * together took about as long as 5% of the step; here they are a few loops over the same values.
+ *
  * `decode_layers_bf16` is the same step for a bf16 engine: its KV cache is bf16 (the new K/V and the
  * queries round to bf16, and the bf16 attention kernel reads them), everything else stays fp32 (the
  * caller converts hidden states and norm weights, exactly, at the boundary). It keeps more precision
@@ -84,6 +91,23 @@ typedef struct {
     const int64_t *lens; /* [rows] context lengths */
     int64_t max_len;
 } batch_t;
+
+/* The ends of a whole step (decode_step_f32): the embedding table (rows of `embed_fmt`: a ggml block
+ * type dequant_rows_f32 reads, or TABLE_F32 / TABLE_BF16 for plain rows; `embed_rows` rows,
+ * `embed_row_bytes` apart), the rotary table (`rotary_rows` positions, each the head_dim cos factors
+ * then the head_dim sin factors, as forerun.model.layers.RotaryEmbedding keeps them) and the final
+ * norm's weight [hidden]. */
+enum { TABLE_F32 = -1, TABLE_BF16 = -2 };
+typedef struct {
+    const int64_t *ids, *positions; /* [rows] */
+    const uint8_t *embed;
+    int64_t embed_fmt, embed_rows, embed_row_bytes;
+    const float *rotary;
+    int64_t rotary_rows;
+    const float *final_norm;
+    const matmul_t *head; /* the LM head [head_n, hidden], or NULL: no logits */
+    int64_t head_n;
+} ends_t;
 
 /* Threads for an element-wise pass: all of them only from the size forerun.kernels.ops uses. */
 static int threads_for(const shape_t *s, int64_t elements, int nthreads) {
@@ -186,6 +210,61 @@ static int decode_layers(const layer_t *layers, int64_t num_layers, const shape_
     free(buf);
     free(half);
     return failed;
+}
+
+int dequant_rows_f32(const uint8_t *w, int64_t stride, int fmt, int64_t rows, int64_t k, float *out, int nthreads);
+
+/* hidden [rows, hidden] = the embedding rows of e->ids. Returns 0, or 3 for an id outside the table
+ * and 4 for a table format dequant_rows_f32 refuses (the caller checked both; this keeps a bad id from
+ * reading outside the table). */
+static int embed_rows(const ends_t *e, int64_t rows, int64_t hidden_size, float *hidden) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t id = e->ids[r];
+        if (id < 0 || id >= e->embed_rows) return 3;
+        const uint8_t *row = e->embed + id * e->embed_row_bytes;
+        float *out = hidden + r * hidden_size;
+        if (e->embed_fmt == TABLE_F32) {
+            memcpy(out, row, sizeof(float) * (size_t)hidden_size);
+        } else if (e->embed_fmt == TABLE_BF16) { /* exact: a bf16 value is the top half of its fp32 */
+            for (int64_t i = 0; i < hidden_size; i++) {
+                uint16_t h;
+                memcpy(&h, row + 2 * i, 2);
+                const uint32_t u = (uint32_t)h << 16;
+                memcpy(&out[i], &u, sizeof u);
+            }
+        } else if (dequant_rows_f32(row, e->embed_row_bytes, (int)e->embed_fmt, 1, hidden_size, out, 1) != 0) {
+            return 4;
+        }
+    }
+    return 0;
+}
+
+/* out [rows, hidden]: the final-norm hidden states of a decode step from its token ids and positions
+ * (the file's comment), and logits [rows, e->head_n] where e->head is set; hidden and residual
+ * [rows, hidden] are scratch. b's cos, sin and
+ * cos_sin_stride are ignored: the factors are gathered from e->rotary. Returns 0, 1 when memory runs
+ * out, 3 for an id outside the embedding, 4 for an embedding format not read here, 5 for a position
+ * outside the rotary table, or decode_layers' code. */
+int decode_step_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, const ends_t *e,
+                    float *out, float *logits, float *hidden, float *residual, int nthreads) {
+    const int64_t R = b->rows, D = s->head_dim;
+    int failed = embed_rows(e, R, s->hidden, hidden);
+    if (failed) return failed;
+    float *factors = malloc(sizeof(float) * (size_t)(R * 2 * D));
+    if (!factors) return 1;
+    for (int64_t r = 0; r < R && !failed; r++) {
+        if (e->positions[r] < 0 || e->positions[r] >= e->rotary_rows) failed = 5;
+        else memcpy(factors + r * 2 * D, e->rotary + e->positions[r] * 2 * D, sizeof(float) * (size_t)(2 * D));
+    }
+    batch_t with_factors = *b;
+    with_factors.cos = factors, with_factors.sin = factors + D, with_factors.cos_sin_stride = 2 * D;
+    if (!failed) failed = decode_layers(layers, num_layers, s, &with_factors, hidden, residual, nthreads, 0);
+    free(factors);
+    if (failed) return failed;
+    add_rms_norm_f32(hidden, residual, e->final_norm, out, residual, R, s->hidden, s->eps,
+                     threads_for(s, R * s->hidden, nthreads));
+    if (e->head) matmul(e->head, out, logits, R, s->hidden, e->head_n, nthreads);
+    return 0;
 }
 
 int decode_layers_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, float *hidden,
