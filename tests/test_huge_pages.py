@@ -114,7 +114,17 @@ def load():
     del parts
     return_free_heap()
     print(int(mapped), resident - rss())
-thread = threading.Thread(target=load)
+def steps():  # a step's 24 MiB of temporaries, freed and taken again each step
+    import resource
+    fix_heap_thresholds(int(sys.argv[2]))
+    keep = np.ones(1 << 18, np.float32)
+    for step in range(11):
+        if step == 1:
+            faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        logits = np.ones(24 << 18, np.float32)
+        del logits
+    print(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults)
+thread = threading.Thread(target=steps if len(sys.argv) > 2 else load)
 thread.start()
 thread.join()
 """
@@ -136,3 +146,20 @@ def test_fixed_heap_thresholds_keep_blocks_in_the_heap_and_give_freed_memory_bac
     assert not mapped  # a 20 MiB block: from the heap, no map and page faults of its own
     assert returned >= 40  # MiB of the 48 freed: a free top over the trim threshold went back
     assert run("default")[0]  # glibc's own threshold maps it (else this test would show nothing)
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="counts a thread's page faults")
+def test_once_serving_a_steps_temporaries_stay_in_the_heap_between_steps() -> None:
+    import subprocess
+    import sys
+
+    from forerun.kernels.huge_pages import LOAD_TRIM, STEP_TRIM
+
+    def faults(trim: int) -> int:
+        out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, "fixed", str(trim)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    assert faults(STEP_TRIM) < 500  # 10 steps of 24 MiB written: taken from the kept top
+    assert faults(LOAD_TRIM) > 2000  # given back at frees and faulted in again (6,144 pages a step)

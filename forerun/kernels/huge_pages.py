@@ -58,9 +58,10 @@ class HugePageArena:
         return sum(-(-n // ALIGN) * ALIGN for n in nbytes)
 
 
-# glibc's mallopt parameters, and the values the thresholds are fixed at (see fix_heap_thresholds).
+# glibc's mallopt parameters, and the thresholds forerun fixes (see fix_heap_thresholds).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 8 << 20
+MAP_THRESHOLD = 32 << 20
+LOAD_TRIM, STEP_TRIM = 8 << 20, 64 << 20
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -78,18 +79,20 @@ def return_free_heap() -> None:
         libc.malloc_trim(0)
 
 
-def fix_heap_thresholds() -> None:
-    """Fix glibc's map threshold at MAP_THRESHOLD and its trim threshold at TRIM_THRESHOLD (elsewhere
-    nothing); call before loading.
+def fix_heap_thresholds(trim: int = LOAD_TRIM) -> None:
+    """Fix glibc's map threshold at MAP_THRESHOLD and its trim threshold at `trim` (elsewhere
+    nothing): LOAD_TRIM before loading, STEP_TRIM once the engine is built.
 
     Why: glibc raises both thresholds with every large block freed (the trim threshold to 64 MiB), and
     a malloc arena then keeps a free top of up to that size resident. The weights' first copies, freed
     after their move to huge pages, stayed resident or not with where the last live allocation
     happened to sit: SmolLM2 Q4_1 kept 27 MB more after load (394 against 366 MB) after a change to the
-    C kernels alone. With the thresholds fixed, a free top over 8 MiB goes back at the next free, and
-    blocks under 32 MiB (a step's activations and logits) still come from the heap rather than from
-    a new map, with its page faults, every step."""
+    C kernels alone. While loading, a free top over 8 MiB goes back at the next free. Once serving,
+    the opposite: a step's temporaries (64 rows of SmolLM2's logits are 12.6 MB) are freed and taken
+    again every step, and each time they went back they came again as page faults (about 9,000 a step
+    at 64 requests, most in the block matmul's stores), so a top of up to 64 MiB is kept. Blocks under
+    32 MiB come from the heap throughout, not from maps of their own."""
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(M_MMAP_THRESHOLD, MAP_THRESHOLD)
-        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, trim)

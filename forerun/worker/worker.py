@@ -19,7 +19,7 @@ from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
-from forerun.kernels.huge_pages import fix_heap_thresholds
+from forerun.kernels.huge_pages import STEP_TRIM, fix_heap_thresholds
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.block_linear import small_block_linear
@@ -275,6 +275,8 @@ class Worker:
         # must draw the same numbers (each feeds its own sampled token to the next step). Seeding again
         # now, after all setup, makes the stream independent of whatever ran on one rank or one start only.
         torch.manual_seed(self.config.seed)
+        if self.device.type == "cpu":
+            fix_heap_thresholds(STEP_TRIM)  # built: keep each step's temporaries between steps
         logger.info("rank %d: KV cache of %d blocks x %d tokens", self.rank, num_blocks, self.config.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
