@@ -95,8 +95,8 @@ typedef struct {
 /* The ends of a whole step (decode_step_f32): the embedding table (rows of `embed_fmt`: a ggml block
  * type dequant_rows_f32 reads, or TABLE_F32 / TABLE_BF16 for plain rows; `embed_rows` rows,
  * `embed_row_bytes` apart), the rotary table (`rotary_rows` positions, each the head_dim cos factors
- * then the head_dim sin factors, as forerun.model.layers.RotaryEmbedding keeps them) and the final
- * norm's weight [hidden]. */
+ * then the head_dim sin factors, as forerun.model.layers.RotaryEmbedding keeps them), the final
+ * norm's weight [hidden] and the LM head. */
 enum { TABLE_F32 = -1, TABLE_BF16 = -2 };
 typedef struct {
     const int64_t *ids, *positions; /* [rows] */
@@ -214,9 +214,9 @@ static int decode_layers(const layer_t *layers, int64_t num_layers, const shape_
 
 int dequant_rows_f32(const uint8_t *w, int64_t stride, int fmt, int64_t rows, int64_t k, float *out, int nthreads);
 
-/* hidden [rows, hidden] = the embedding rows of e->ids. Returns 0, or 3 for an id outside the table
- * and 4 for a table format dequant_rows_f32 refuses (the caller checked both; this keeps a bad id from
- * reading outside the table). */
+/* hidden [rows, hidden] = the embedding rows of e->ids. Returns 0, 3 for an id outside the table (so
+ * that a bad id never reads past it), or 4 for a table format dequant_rows_f32 refuses (the caller
+ * checked the format). */
 static int embed_rows(const ends_t *e, int64_t rows, int64_t hidden_size, float *hidden) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t id = e->ids[r];
@@ -241,10 +241,9 @@ static int embed_rows(const ends_t *e, int64_t rows, int64_t hidden_size, float 
 
 /* out [rows, hidden]: the final-norm hidden states of a decode step from its token ids and positions
  * (the file's comment), and logits [rows, e->head_n] where e->head is set; hidden and residual
- * [rows, hidden] are scratch. b's cos, sin and
- * cos_sin_stride are ignored: the factors are gathered from e->rotary. Returns 0, 1 when memory runs
- * out, 3 for an id outside the embedding, 4 for an embedding format not read here, 5 for a position
- * outside the rotary table, or decode_layers' code. */
+ * [rows, hidden] are scratch. b's cos, sin and cos_sin_stride are ignored: the factors are gathered
+ * from e->rotary. Returns 0, 1 when memory runs out, 3 for an id outside the embedding, 4 for an
+ * embedding format not read here, 5 for a position outside the rotary table, or decode_layers' code. */
 int decode_step_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, const ends_t *e,
                     float *out, float *logits, float *hidden, float *residual, int nthreads) {
     const int64_t R = b->rows, D = s->head_dim;
