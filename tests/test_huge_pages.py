@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import resource
 from pathlib import Path
 
 import gguf
@@ -85,7 +86,6 @@ def test_a_gguf_model_holds_each_block_matrix_once_in_one_arena(tmp_path: Path) 
     assert max(p + w.data.numel() for p, w in held.items()) - start < file_bytes + 64 * len(held)
 
 
-
 # In a fresh interpreter, so that malloc's thresholds start at glibc's defaults. A worker thread first
 # frees one large block (as loading does; glibc then raises its thresholds), then frees 48 MiB of
 # pieces (as the weights' first copies are freed after their move to huge pages); a 20 MiB block is
@@ -148,7 +148,7 @@ def test_fixed_heap_thresholds_keep_blocks_in_the_heap_and_give_freed_memory_bac
     assert run("default")[0]  # glibc's own threshold maps it (else this test would show nothing)
 
 
-@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="counts a thread's page faults")
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="counts a thread's page faults")
 def test_once_serving_a_steps_temporaries_stay_in_the_heap_between_steps() -> None:
     import subprocess
     import sys

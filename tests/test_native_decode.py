@@ -30,7 +30,7 @@ def _run(folder, eager: bool, dtype: str = "float32", whole_steps: list | None =
         fused = llm.engine.core.executor.worker.model.decode_layers
         assert (fused is None) == eager
         calls: list = []
-        whole = calls if whole_steps is None else whole_steps
+        whole = [] if whole_steps is None else whole_steps
         if fused is not None:
             run, run_whole = fused.fn, fused._step_fn
             fused.fn = lambda *a: calls.append(1) or run(*a)
