@@ -9,10 +9,11 @@ everything else (prefill, larger batches, other dtypes or devices, tensor or pip
 keeps the module path. `enforce_eager` turns it off. It is handed the layers' weights and sizes as
 plain data (`DecodeLayerWeights`, `DecodeDims`) and knows no model class.
 
-In an fp32 engine given the model's ends (`DecodeEnds`: embedding, rotary table, final norm),
-`step` runs the whole step from token ids to the final-norm hidden states in that one call: after
-the layers have streamed the weights through the caches, the few torch calls around them ran cold, at
-10-20 times their warm time (see `csrc/decode_layers.c`).
+In an fp32 engine given the model's ends (`DecodeEnds`: embedding, rotary table, final norm, LM
+head), `step` runs the whole step from token ids to the final-norm hidden states and the logits in
+that one call (`logits_of` hands the logits to the model): after the layers have streamed the
+weights through the caches, the few torch calls around them ran cold, at 10-20 times their warm time
+(see `csrc/decode_layers.c`).
 
 In a bf16 engine (`kv_dtype` bf16) the step runs in fp32 with a bf16 KV cache: the hidden states and
 norm weights convert to fp32 at the call (exact), the cache holds bf16 as the module path's does, and
@@ -208,25 +209,27 @@ class DecodeLayers:
         """Whether the C decode attention inside the fused step takes this attention shape."""
         return shape_supported(dims.heads, dims.kv_heads, dims.head_dim)
 
+    def _takes(self, rows: int, kv_caches: list[Tensor], meta: DecodeBatch) -> bool:
+        """The conditions on the batch and the caches that both entries share."""
+        first = kv_caches[0]
+        return (meta.all_decode and rows <= self.max_rows and first.dtype == self.dtype and first.is_contiguous()
+                and meta.decode_blocks is not None and meta.slot_mapping.is_contiguous())
+
     def accepts(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
                 meta: DecodeBatch) -> bool:
         """Whether this step's inputs are ones the C path takes (else the caller runs the modules)."""
-        first = kv_caches[0]
-        return (meta.all_decode and hidden.shape[0] <= self.max_rows and hidden.dtype == self.dtype
-                and hidden.is_contiguous() and first.dtype == self.dtype and first.is_contiguous()
+        return (self._takes(hidden.shape[0], kv_caches, meta) and hidden.dtype == self.dtype
+                and hidden.is_contiguous()
                 and cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
-                and cos.dtype == sin.dtype and cos.dtype in (torch.float32, self.dtype)
-                and meta.decode_blocks is not None and meta.slot_mapping.is_contiguous())
+                and cos.dtype == sin.dtype and cos.dtype in (torch.float32, self.dtype))
 
     def accepts_ids(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
                     meta: DecodeBatch) -> bool:
-        """Whether `step` takes this step (else the caller embeds and runs `__call__` or the modules)."""
-        first = kv_caches[0]
-        return (self.ends is not None and meta.all_decode and input_ids.shape[0] <= self.max_rows
+        """Whether `step` takes this step (else the caller embeds and runs `__call__` or the modules).
+        `ends` is set only in an fp32 engine, so the caches are fp32 here."""
+        return (self.ends is not None and self._takes(input_ids.shape[0], kv_caches, meta)
                 and input_ids.dtype == torch.int64 and positions.dtype == torch.int64
-                and input_ids.is_contiguous() and positions.is_contiguous() and input_ids.device.type == "cpu"
-                and first.dtype == torch.float32 and first.is_contiguous()
-                and meta.decode_blocks is not None and meta.slot_mapping.is_contiguous())
+                and input_ids.is_contiguous() and positions.is_contiguous() and input_ids.device.type == "cpu")
 
     def _batch(self, rows: int, kv_caches: list[Tensor], meta: DecodeBatch, cos: Tensor | None = None,
                sin: Tensor | None = None) -> _Batch:

@@ -252,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.local_layers):
             raise ValueError(f"kv_caches: expected {len(self.local_layers)} layers, got {len(kv_caches)}")
         m = self.model
-        fused = self.decode_layers  # one C call from token ids to the final norm, where it applies
+        fused = self.decode_layers  # one C call from token ids to the final norm and logits, where it applies
         if fused is not None and fused.accepts_ids(input_ids, positions, kv_caches, attn):
             return fused.step(input_ids, positions, kv_caches, attn)
         cos, sin = m.rotary.cos_sin(positions)  # shared by every layer
