@@ -64,9 +64,10 @@ MAP_THRESHOLD = 32 << 20
 LOAD_TRIM, STEP_TRIM = 8 << 20, 64 << 20
 
 
-def _libc() -> ctypes.CDLL | None:
-    path = ctypes.util.find_library("c")
-    return ctypes.CDLL(path) if path else None
+def libc() -> ctypes.CDLL:
+    """The C library, with errno kept for ctypes.get_errno (where none is found by name, the
+    process's own symbols, which hold the C library's)."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def return_free_heap() -> None:
@@ -74,9 +75,9 @@ def return_free_heap() -> None:
     below malloc's map threshold stay in its heap and count as resident: after the blocks moved into
     the arena, `forerun serve` on SmolLM2 Q4_1 held 46 MB more resident without this."""
     gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    c = libc()
+    if hasattr(c, "malloc_trim"):
+        c.malloc_trim(0)
 
 
 def fix_heap_thresholds(trim: int = LOAD_TRIM) -> None:
@@ -92,7 +93,7 @@ def fix_heap_thresholds(trim: int = LOAD_TRIM) -> None:
     again every step, and each time they went back they came again as page faults (about 9,000 a step
     at 64 requests, most in the block matmul's stores), so a top of up to 64 MiB is kept. Blocks under
     32 MiB come from the heap throughout, not from maps of their own."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(M_MMAP_THRESHOLD, MAP_THRESHOLD)
-        libc.mallopt(M_TRIM_THRESHOLD, trim)
+    c = libc()
+    if hasattr(c, "mallopt"):
+        c.mallopt(M_MMAP_THRESHOLD, MAP_THRESHOLD)
+        c.mallopt(M_TRIM_THRESHOLD, trim)

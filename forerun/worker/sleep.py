@@ -16,7 +16,6 @@ weights (packed, compact, the one-call step) are dropped at level 2 and rebuilt 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import mmap
 from typing import Iterable
@@ -24,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-from forerun.kernels.huge_pages import return_free_heap
+from forerun.kernels.huge_pages import libc, return_free_heap
 from forerun.model.layers import PackableLinear
 from forerun.worker.zero_pages import zeros_tensor
 
@@ -103,8 +102,7 @@ def release_pages(storage: torch.UntypedStorage) -> int:
     start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
     if end <= start:
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
+    if libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
     return end - start
 
