@@ -93,7 +93,7 @@ def test_a_gguf_model_holds_each_block_matrix_once_in_one_arena(tmp_path: Path) 
 _HEAP_SCRIPT = """
 import sys, threading
 import numpy as np
-from forerun.kernels.huge_pages import fix_heap_thresholds, return_free_heap
+from forerun.heap import fix_heap_thresholds, return_free_heap
 def rss():
     return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmRSS"))) // 1024
 def region(address):
@@ -153,7 +153,7 @@ def test_once_serving_a_steps_temporaries_stay_in_the_heap_between_steps() -> No
     import subprocess
     import sys
 
-    from forerun.kernels.huge_pages import LOAD_TRIM, STEP_TRIM
+    from forerun.heap import LOAD_TRIM, STEP_TRIM
 
     def faults(trim: int) -> int:
         out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT, "fixed", str(trim)], capture_output=True,

@@ -29,7 +29,7 @@ MAX_LINES = 460
 #   engine flags the server takes (`entrypoints.engine_args`);
 # - `loader` keeps a GGUF file's blocks as the kernels' CompactWeight, so it sits above `kernels`;
 # - request/outputs/sampling_params are the user-facing data, structured.spec names a grammar in
-#   SamplingParams, and platform/byte_alphabet are leaf helpers.
+#   SamplingParams, and platform/byte_alphabet/heap are leaf helpers.
 LAYERS: list[tuple[str, ...]] = [  # top first
     ("forerun", "forerun.entrypoints.cli"),  # the package front door re-exports LLM
     ("forerun.bench",),
@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, ...]] = [  # top first
     ("forerun.request", "forerun.outputs"),
     ("forerun.sampling_params",),
     ("forerun.structured",),
-    ("forerun.platform", "forerun.byte_alphabet"),
+    ("forerun.platform", "forerun.byte_alphabet", "forerun.heap"),
 ]
 RANK = {prefix: len(LAYERS) - i for i, names in enumerate(LAYERS) for prefix in names}
 # Packages that must not see each other although the table alone would allow it.

@@ -17,6 +17,7 @@ from forerun.engine.engine_core import read_model_config
 from forerun.engine.input_processor import InputProcessor, Prompt
 from forerun.engine.output_processor import OutputProcessor
 from forerun.engine.tokenizer import Tokenizer
+from forerun.heap import return_free_heap
 from forerun.loader.model_source import resolve_model
 from forerun.outputs import EmbeddingOutput, RequestOutput
 from forerun.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class AsyncLLM:
         # Refused here, in one line, before the core process and its workers start (the core checks again).
         config.check_model(read_model_config(self.model_folder))
         self.tokenizer = Tokenizer.from_folder(self.model_folder)
+        return_free_heap()  # what parsing tokenizer.json left behind
         self.core = EngineCoreProcess(config, self.model_folder)
         self.max_model_len = self.core.info.max_model_len
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, self.core.info.vocab_size,

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.kernels.huge_pages import return_free_heap
+from forerun.heap import return_free_heap
 from forerun.loader.weights import is_gguf_folder, iter_model_weights
 from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.dummy import init_dummy_weights

@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-from forerun.kernels.huge_pages import libc, return_free_heap
+from forerun.heap import libc, return_free_heap
 from forerun.model.layers import PackableLinear
 from forerun.worker.zero_pages import zeros_tensor
 

@@ -31,6 +31,7 @@ from forerun.entrypoints.openai.serving_tokenization import (DetokenizeRequest, 
                                                              OpenAIServingTokenization, TokenizeRequest,
                                                              TokenizeResponse)
 from forerun.entrypoints.openai.tool_request import ChatParsing
+from forerun.heap import return_free_heap
 from forerun.loader.model_source import DEFAULT_MODEL_NAMES
 
 logger = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ def run_server(args: argparse.Namespace) -> None:
             port = sockets[0].getsockname()[1]
             logger.info("serving %s on http://%s:%d", ", ".join(names.listed), args.host, port)
             server = _Server(uv_config, engine)
+            return_free_heap()  # FastAPI's route and schema building leaves about 8 MB free but resident
             server.run(sockets=sockets)
         finally:
             engine.shutdown()
