@@ -238,7 +238,10 @@ def cmd_bench_invariance(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; `with_bench=False` leaves out the benchmarks' own options, whose modules
+    import numpy: the server's front end would hold its 15 MB for nothing (`main` adds them when the
+    command line names `bench`)."""
     parser = _Parser(prog="forerun", description="An LLM serving engine that schedules one step ahead.")
     _add_log_level(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, help="what to run; `forerun COMMAND --help` "
@@ -274,8 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     text = "benchmarks: offline throughput, serving latency, embeddings, batch invariance"
     bench_parser = sub.add_parser("bench", help=text, description=text)
     _add_log_level(bench_parser, top=False)
-    bench = bench_parser.add_subparsers(dest="bench", required=True,
-                                        help="which benchmark; `forerun bench BENCHMARK --help` lists its options")
+    if with_bench:
+        _add_bench_commands(bench_parser)
+    return parser
+
+
+def _add_bench_commands(parser: argparse.ArgumentParser) -> None:
+    bench = parser.add_subparsers(dest="bench", required=True,
+                                  help="which benchmark; `forerun bench BENCHMARK --help` lists its options")
     text = "offline throughput of the engine, printed as JSON; --compare-async for sync vs async"
     p = bench.add_parser("throughput", help=text, description=text)
     from forerun.bench.throughput import add_args as add_throughput_args
@@ -301,11 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_invariance_args(p)
     _add_log_level(p, top=False)
     p.set_defaults(fn=cmd_bench_invariance)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_bench="bench" in argv).parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)

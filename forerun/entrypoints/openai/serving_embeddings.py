@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import struct
 import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import (StrictInt, StrictStr, ValidationError, ValidatorFunctionWrapHandler,
@@ -81,8 +81,10 @@ class EmbeddingResponse(OpenAIModel):
 
 
 def encode_base64(vector: list[float]) -> str:
-    """Little-endian float32 bytes, base64-encoded: what OpenAI sends and its client decodes."""
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    """Little-endian float32 bytes, base64-encoded: what OpenAI sends and its client decodes.
+
+    struct rather than numpy: importing numpy would add 15 MB to the front end's resident memory."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def embedding_dim(folder: Path) -> int | None:
