@@ -444,7 +444,5 @@ def _cmdline(pid: int) -> str:
 
 
 def _is_spawned_core(pid: int) -> bool:
-    # A spawn child runs `python -c "from multiprocessing.spawn import spawn_main; ..."`; the resource
-    # tracker runs `...resource_tracker...`.
-    cmd = _cmdline(pid)
-    return "spawn_main" in cmd and "resource_tracker" not in cmd
+    # The core runs `python -c "...from forerun.executor.spawn import run_child..."` (PythonChild).
+    return "run_child" in _cmdline(pid)

@@ -394,11 +394,12 @@ def test_fuzz_embeddings_never_5xx():
 
 
 def _spawned_children(pid: int) -> list[int]:
-    """Children of `pid` started by multiprocessing spawn (the core, or a core's workers), not its resource tracker."""
+    """Children of `pid` that run forerun: the server's core (a PythonChild), or a core's workers (started by
+    multiprocessing spawn), not a resource tracker."""
     out = []
     for child in psutil.Process(pid).children():
         cmd = " ".join(child.cmdline())
-        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+        if ("spawn_main" in cmd or "run_child" in cmd) and "resource_tracker" not in cmd:
             out.append(child.pid)
     return out
 

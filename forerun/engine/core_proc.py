@@ -9,7 +9,6 @@ free-form fields (`extra`, structured-output specs); the hot return path is type
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -24,7 +23,7 @@ import msgspec
 import zmq
 
 from forerun.config import EngineConfig
-from forerun.executor.spawn import main_script_not_rerun
+from forerun.executor.spawn import PythonChild
 from forerun.outputs import EngineCoreOutput
 from forerun.request import EngineCoreRequest
 
@@ -296,12 +295,9 @@ class EngineCoreProcess:
         self.output.setsockopt(zmq.LINGER, 0)
         self.output.bind(out_addr)
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
-        mp = multiprocessing.get_context("spawn")
-        # Not a daemon: the core may start its own worker processes (tensor parallel).
-        self.proc = mp.Process(target=run_engine_core, name="forerun-engine-core",
-                               args=(config, model_folder, in_addr, out_addr, os.getpid()))
-        with main_script_not_rerun():  # a script without a main guard, or on stdin, works too
-            self.proc.start()
+        # A fresh interpreter that runs forerun's code only, so a script without a main guard, or on stdin,
+        # works too; it may start worker processes of its own (tensor parallel).
+        self.proc = PythonChild(run_engine_core, (config, model_folder, in_addr, out_addr, os.getpid()))
         self._finalizer = weakref.finalize(self, _reap, self.proc, self._tmpdir)
         try:
             self.info = self._wait_ready(startup_timeout_s)
@@ -364,7 +360,7 @@ class EngineCoreProcess:
             self._ctx.term()
 
 
-def _reap(proc: multiprocessing.process.BaseProcess, tmpdir: str) -> None:
+def _reap(proc: PythonChild, tmpdir: str) -> None:
     if proc.is_alive():
         proc.terminate()  # the core ends its requests and workers and exits at once (see run_engine_core)
         proc.join(3)
