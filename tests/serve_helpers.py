@@ -95,12 +95,14 @@ def wait_idle(server: Server, timeout_s: float = 15) -> dict[str, float]:
 
 
 def start_server(model: str | Path | None, *args: str, api_key: str | None = None, timeout_s: float = 180,
-                 env: dict[str, str] | None = None, api_key_file: Path | None = None) -> Server:
+                 env: dict[str, str] | None = None, api_key_file: Path | None = None,
+                 through_cli: bool = False) -> Server:
     """`api_key` is passed as --api-key, `api_key_file` as --api-key-file (its content becomes
     `Server.api_key`); a key given only through `env` (FORERUN_API_KEY) is the caller's to send, so set
-    `Server.api_key` afterwards."""
+    `Server.api_key` afterwards. `through_cli` starts it as `forerun serve` does (the whole command line)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "forerun.entrypoints.serve"] + ([str(model)] if model else []) + [
+    entry = ["forerun.entrypoints.cli", "serve"] if through_cli else ["forerun.entrypoints.serve"]
+    cmd = [sys.executable, "-m", *entry] + ([str(model)] if model else []) + [
         "--port", str(port), "--uvicorn-log-level", "warning", *args]
     if api_key:
         cmd += ["--api-key", api_key]
