@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -13,8 +14,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The bundled SmolLM2-135M-Instruct as forerun loads it: described once in the user's forerun cache
-    (config, tokenizer, a pointer to the GGUF file whose blocks are the weights)."""
+    """The bundled SmolLM2-135M-Instruct as forerun loads it: described once in the session's forerun
+    cache (config, tokenizer, a pointer to the GGUF file whose blocks are the weights)."""
     from forerun.loader.model_source import resolve_model
     return resolve_model(None)
 
@@ -40,6 +41,29 @@ def cache_sharing_kernels(root: Path) -> Path:
     root.mkdir(parents=True)
     (root / "kernels").symlink_to(kernels, target_is_directory=True)
     return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """The session's forerun cache: a new folder whose kernels are the user's (not rebuilt) and whose probe
+    results start as the user's (not measured again), unless FORERUN_CACHE names one already.
+
+    Why: tests write GGUF files of their own, and forerun describes each one in its cache (config and
+    tokenizer, under a key made from the file's path and time); in the user's cache those folders piled
+    up, over 300 of them per run of the suite."""
+    if os.environ.get("FORERUN_CACHE"):
+        yield
+        return
+    from forerun.loader.model_source import cache_dir
+    probes = cache_dir() / "cpu_probe.json"
+    root = cache_sharing_kernels(tmp_path_factory.getbasetemp() / "forerun-cache")
+    if probes.is_file():
+        shutil.copy(probes, root / probes.name)
+    os.environ["FORERUN_CACHE"] = str(root)
+    try:
+        yield
+    finally:
+        del os.environ["FORERUN_CACHE"]
 
 
 def save_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, stored_dtype: str = "float32",
