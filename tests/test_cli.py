@@ -92,6 +92,10 @@ def test_bench_one_prompt_forward_only_and_profile(tmp_path, tiny_llama_dir):
     run = result["async"]
     assert run["output_tokens"] == 6 and run["matmul_gflops"] > 0 and 0 < run["fraction_of_matmul_peak"]
     assert run["busy_fraction"] is None  # no timeline unless asked for: the engine runs as a user runs it
+    # One request: its first token, then 5 more at the time per token; together within the run's time.
+    ttft, tpot = run["median_ttft_ms"], run["median_tpot_ms"]
+    assert ttft > 0 and tpot > 0 and ttft + 5 * tpot <= 1000 * run["elapsed_s"] + 1
+    assert abs(run["decode_tok_per_s"] - 1000 / tpot) < 0.01 * run["decode_tok_per_s"]
     assert result["matmul_peak_gflops"] > 0 and result["forward_only"]["output_tok_per_s"] > 0
     # Each engine run is paired with the replay taken right after it; the share is the pairs' median.
     # (from unrounded throughputs: the reported ones are rounded to 0.01 tok/s)

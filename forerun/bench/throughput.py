@@ -135,7 +135,8 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
         spec0 = dataclasses.replace(engine.core.scheduler.spec_stats)
         record = record_steps(engine, keep_steps)
         start, cpu_start = time.perf_counter(), time.thread_time()
-        out_tokens = _drain(engine, workload.prompts, workload.params)
+        latencies: list[tuple[float, float]] = []
+        out_tokens = _drain(engine, workload.prompts, workload.params, latencies)
         elapsed, engine_cpu = time.perf_counter() - start, time.thread_time() - cpu_start
         steps = engine.core.scheduler.step_id - steps0
         t = engine.trace
@@ -153,6 +154,7 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
             "busy_fraction": round(t.busy_fraction(), 4) if t else None,  # needs --trace or --plot
             "dead_tokens": engine.core.scheduler.num_dead_tokens - dead0,
             "preemptions": engine.core.scheduler.num_preemptions,
+            **_latency_figures(latencies),
         }
         if config.speculative_config is not None:
             result["spec_decode"] = _spec_figures(spec0, engine.core.scheduler.spec_stats, result["steps"])
@@ -191,15 +193,33 @@ def run_forward_only(config: EngineConfig, workload: Workload, steps: list[Sched
         gc.collect()
 
 
-def _drain(engine: LLMEngine, prompts, params) -> int:
+def _drain(engine: LLMEngine, prompts, params, latencies: list[tuple[float, float]] | None = None) -> int:
+    """Run the requests to the end; the output tokens they made. `latencies` gets each finished
+    request's time to its first token and its time per output token after that, in seconds."""
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
     out_tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                n = sum(len(c.token_ids) for c in out.outputs)
+                out_tokens += n
+                m = out.metrics
+                if latencies is not None and n > 1 and "ttft" in m:
+                    latencies.append((m["ttft"], (m["e2e"] - m["ttft"]) / (n - 1)))
     return out_tokens
+
+
+def _latency_figures(latencies: list[tuple[float, float]]) -> dict[str, float | None]:
+    """Median time to first token and time per output token after it, in ms, and the decode rate one
+    request sees (1000 / TPOT): the figure to set beside `llama-bench -p 0 -n N`, which times only
+    decoding (forerun's output_tok_per_s counts the prompt's prefill in its time)."""
+    if not latencies:
+        return {"median_ttft_ms": None, "median_tpot_ms": None, "decode_tok_per_s": None}
+    ttft = statistics.median(t for t, _ in latencies) * 1000
+    tpot = statistics.median(t for _, t in latencies) * 1000
+    return {"median_ttft_ms": round(ttft, 2), "median_tpot_ms": round(tpot, 3),
+            "decode_tok_per_s": round(1000 / tpot, 2) if tpot > 0 else None}
 
 
 def _modes(config: EngineConfig, args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
