@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from forerun.heap import STEP_TRIM, fix_heap_thresholds
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
-from forerun.heap import STEP_TRIM, fix_heap_thresholds
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.block_linear import small_block_linear
