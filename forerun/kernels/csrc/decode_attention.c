@@ -157,8 +157,17 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
         BY_GROUP(G, QK_##SUFFIX)                                                                         \
         for (int64_t j = 0; j < heads; j++) {                                                            \
             float *sg = scores + j * max_len, mx = -INFINITY;                                            \
-            for (int64_t i = 0; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;                                \
+            /* The largest score, eight lanes at a time: a maximum does not depend on the order (a NaN   \
+             * is skipped either way), and one chain of compares waited on each compare's latency. */   \
+            v8f m8 = splat8(-INFINITY);                                                                  \
             int64_t i = 0;                                                                               \
+            for (; i + 8 <= n; i += 8) {                                                                 \
+                const v8f v = load8_f32(sg + i);                                                         \
+                m8 = select8(v > m8, v, m8);                                                             \
+            }                                                                                            \
+            for (int l = 0; l < 8; l++) mx = m8[l] > mx ? m8[l] : mx;                                    \
+            for (; i < n; i++) mx = sg[i] > mx ? sg[i] : mx;                                             \
+            i = 0;                                                                                       \
             v8f vsum = splat8(0.f);                                                                      \
             for (; i + 8 <= n; i += 8) {                                                                 \
                 const v8f e = exp8(load8_f32(sg + i) - mx);                                              \
