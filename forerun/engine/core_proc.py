@@ -24,6 +24,7 @@ import zmq
 
 from forerun.config import EngineConfig
 from forerun.executor.spawn import PythonChild
+from forerun.heap import settle_start_garbage
 from forerun.outputs import EngineCoreOutput
 from forerun.request import EngineCoreRequest
 
@@ -160,16 +161,21 @@ def _end_pending(core: Any, out: zmq.Socket, encoder: msgspec.msgpack.Encoder, r
 
 
 def _build_core(config: EngineConfig, model_folder: Path) -> Any:
+    """The engine core of this process, with what its start left frozen (the process is the core's own)."""
     # Imported here so the API process never imports torch through this module.
     from forerun.engine.engine_core import EngineCore
     from forerun.engine.llm_engine import make_structured_manager
     if config.runner != "generate":
-        return EngineCore(config, model_folder, None)
-    built: list[Any] = []
-    # A factory, not a manager: EngineCore builds it on the first structured request (importing the
-    # grammar library costs about a second), with the vocabulary size the core read from the model.
-    built.append(EngineCore(config, model_folder, lambda: make_structured_manager(model_folder, built[0].vocab_size)))
-    return built[0]
+        core = EngineCore(config, model_folder, None)
+    else:
+        built: list[Any] = []
+        # A factory, not a manager: EngineCore builds it on the first structured request (importing the
+        # grammar library costs about a second), with the vocabulary size the core read from the model.
+        built.append(EngineCore(config, model_folder,
+                                lambda: make_structured_manager(model_folder, built[0].vocab_size)))
+        core = built[0]
+    settle_start_garbage(freeze=True)
+    return core
 
 
 class _CoreLoop:

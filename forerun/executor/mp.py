@@ -23,6 +23,7 @@ from forerun.config import EngineConfig
 from forerun.executor.base import Executor
 from forerun.executor.shm_queue import EMPTY, QueueTimeout, ShmBroadcastQueue, ShmQueueHandle, ShmReader, ShmWriter
 from forerun.executor.spawn import main_script_not_rerun
+from forerun.heap import settle_start_garbage
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,7 @@ def _worker_main(config: EngineConfig, model_folder: Path, rank: int, world_size
         out.put((_READY, False, _describe(exc)))
         worker = None
     else:
+        settle_start_garbage(freeze=True)  # this process is the worker's own
         out.put((_READY, True, None))
     try:
         while True:
