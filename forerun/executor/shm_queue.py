@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 _LEN = struct.Struct("<Q")
@@ -83,10 +83,17 @@ class ShmBroadcastQueue:
         self.handle = probe
 
     def close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+        shm = self._shm
+        if shm is None:
+            return
+        shm.close()
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            # A close that a signal cut short (a SIGTERM during the engine's orderly shutdown) removed the
+            # segment but not the resource tracker's record of it, which would report it as leaked.
+            resource_tracker.unregister(f"/{shm.name}", "shared_memory")
+        self._shm = None
 
 
 class _Waiter:
