@@ -41,10 +41,14 @@ def settle_start_garbage(freeze: bool = False) -> None:
     the last full one exceed a quarter of those that one found. The last before serving ran during the
     imports, so loading the model passed that mark and the next came in the first steps, walking some
     220,000 objects in 70-135 ms with the GIL held, on the engine or the worker thread: the model
-    waited too. The tiny random model's README run counted it as 2.8-3.2 ms of engine thread a step
-    instead of 1.3-1.4 (256 prompts x 32 / 64, Intel Xeon). Freeze only in a process forerun owns
-    (the engine core's, a worker's): its later full collections then walk only what serving made. A
-    user's process (LLM, an RL trainer) would keep its own cyclic garbage for good."""
+    waited too. The tiny random model's README run counted it as 2.8-3.7 ms of engine thread a step
+    instead of 1.3-1.5 (256 prompts x 32 / 64, Intel Xeon).
+
+    Called where forerun owns the process: the engine core's and the workers' (which freeze, so that
+    their later full collections walk only what serving made) and the benchmarks' (which collect
+    only, as they build one engine after another). Not in a user's process (LLM, an RL trainer): there
+    it would only move the same walk to the start, 0.1-0.4 s an engine in a large heap (a test
+    process), and a freeze would keep the user's cyclic garbage for good."""
     gc.collect()
     if freeze:
         gc.freeze()

@@ -1,5 +1,6 @@
-"""An engine's start leaves no garbage for a collection in the middle of its steps; the processes
-forerun owns (the engine core's, the workers') also freeze what the start left."""
+"""Where forerun owns the process, an engine ends its start with a full collection, so that none falls
+due in its first steps; the engine core's and the workers' processes also freeze what the start left.
+A user's process is left alone."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import gc
 import subprocess
 import sys
 
+from forerun.bench.throughput import start_engine
 from forerun.config import EngineConfig
 from forerun.engine.core_proc import _build_core
 from forerun.engine.llm import LLM
@@ -41,25 +43,40 @@ def test_settle_collects_and_freezes_only_when_asked():
     assert _fresh("freeze") == ["True", "0", "False"]  # what lives moved out of the collector's reach
 
 
-def test_an_engine_in_a_users_process_ends_its_start_with_a_full_collection(tiny_llama_dir, track_llm):
+def _full_collections_during(build):
+    """What `build()` returns, the objects each full collection during it collected, and the
+    collector's counts right after it."""
     full: list[int] = []
 
     def note(phase: str, info: dict) -> None:
         if phase == "stop" and info["generation"] == 2:
             full.append(info["collected"])
 
-    frozen = gc.get_freeze_count()
-    gc.collect()  # whatever ran before: no full collection of its own is due during the start
+    gc.collect()  # whatever ran before: no full collection of its own falls due during the build
     gc.callbacks.append(note)
     try:
-        track_llm(LLM(model=str(tiny_llama_dir), dtype="float32", show_progress=False))
-        counts = gc.get_count()
+        built = build()
+        return built, full, gc.get_count()
     finally:
         gc.callbacks.remove(note)
-    # A full collection ran, at the end of the start: no younger collection has run since it (the
-    # third count), so the next full one is not due for a while. Without it none ran during the start.
-    assert full and counts[2] == 0, (full, counts)
-    assert gc.get_freeze_count() == frozen  # a user's process: nothing frozen
+
+
+def test_a_benchmark_engine_ends_its_start_with_a_full_collection(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32")
+    engine, full, counts = _full_collections_during(lambda: start_engine(config))
+    try:
+        # At the end of the start: no younger collection has run since it (the third count), so the
+        # next full one is not due for a while. Without it none ran during the start.
+        assert full and counts[2] == 0, (full, counts)
+        assert gc.get_freeze_count() == 0  # a run builds engine after engine: collected, not frozen
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_in_a_users_process_leaves_the_collector_alone(tiny_llama_dir, track_llm):
+    _, full, _ = _full_collections_during(
+        lambda: track_llm(LLM(model=str(tiny_llama_dir), dtype="float32", show_progress=False)))
+    assert full == [] and gc.get_freeze_count() == 0
 
 
 def test_worker_processes_freeze_their_start(tiny_llama_dir, track_llm):

@@ -20,6 +20,7 @@ from forerun.core.spec_stats import SpecDecodeStats
 from forerun.core.scheduler_output import SchedulerOutput
 from forerun.engine.llm_engine import LLMEngine
 from forerun.engine.step_trace import StepTrace
+from forerun.heap import settle_start_garbage
 from forerun.sampling_params import SamplingParams, final_only
 
 
@@ -115,6 +116,14 @@ def _warm_up(engine: LLMEngine, workload: Workload) -> None:
     _drain(engine, chunk, [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)] * len(chunk))
 
 
+def start_engine(config: EngineConfig) -> LLMEngine:
+    """An engine whose start ends with a full garbage collection (collected, not frozen: a run builds
+    several engines in turn), so that none falls due in its timed steps (forerun.heap)."""
+    engine = LLMEngine(config, show_progress=False)
+    settle_start_garbage()
+    return engine
+
+
 def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_steps: bool = False,
              replay_after: bool = False) -> ModeRun:
     """One engine, a short warm-up, then the whole workload timed (with `keep_steps`, every step it
@@ -126,7 +135,7 @@ def run_mode(config: EngineConfig, workload: Workload, trace: bool = True, keep_
     drift between runs a minute apart). The replay adds requests the worker already holds; it starts
     those rows over, as after a preemption."""
     config = dataclasses.replace(config, trace=trace)
-    engine = LLMEngine(config, show_progress=False)
+    engine = start_engine(config)
     try:
         _warm_up(engine, workload)
         if engine.trace is not None:
@@ -180,7 +189,7 @@ def run_forward_only(config: EngineConfig, workload: Workload, steps: list[Sched
                      profile: bool = False) -> tuple[float, list[dict] | None]:
     """Seconds to replay `steps` on a fresh engine's executor after the same warm-up (and, with
     `profile`, the worker's top operators during that replay)."""
-    engine = LLMEngine(dataclasses.replace(config, trace=False), show_progress=False)
+    engine = start_engine(dataclasses.replace(config, trace=False))
     try:
         _warm_up(engine, workload)
         if profile:

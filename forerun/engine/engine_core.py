@@ -21,7 +21,6 @@ from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, Sche
 from forerun.engine.step_trace import StepTrace
 from forerun.engine.trainer_calls import TrainerCalls
 from forerun.executor.factory import make_executor
-from forerun.heap import settle_start_garbage
 from forerun.outputs import EngineCoreOutput
 from forerun.request import EngineCoreRequest, Request, RequestStatus
 from forerun.sampling_params import check_token_ids
@@ -96,7 +95,6 @@ class EngineCore(TrainerCalls):
         self._unsent_finished: set[str] = set()
         self._unsent_preempted: set[str] = set()
         self.asleep: set[str] = set()  # sleep mode: which memory sleeps (no request runs meanwhile)
-        settle_start_garbage()  # a full collection now, not one in the first steps (see there)
 
     def _size_kv_cache(self) -> Any:
         """Settle max_model_len and the block count with the workers, then allocate the cache.
