@@ -56,7 +56,10 @@ def make_linear(weight: Tensor, bias: Tensor | None, kernel: str, batch_hint: in
     if kernel == "mkldnn":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         op = torch.ops.mkldnn._linear_pointwise
-        return lambda x: in_row_buckets(lambda y: op(y, packed, bias, "none", [], ""), x)
+
+        def run(y: Tensor) -> Tensor:
+            return op(y, packed, bias, "none", [], "")
+        return lambda x: in_row_buckets(run, x)
     if kernel == "native":
         if gemm is None:
             raise ValueError("linear_kernel: 'native' needs forerun's C kernels (native_kernels on, a C compiler)")
