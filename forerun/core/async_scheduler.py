@@ -27,7 +27,7 @@ class AsyncScheduler(Scheduler):
         # A step samples a kept token only when it reaches the end of the known sequence: a decode, or
         # the last chunk of a prefill. A decode with k draft slots may yield up to 1 + k tokens, and
         # placeholders count the most it may yield, so max_tokens is never overshot.
-        past_end = req.num_computed_tokens - req.num_tokens_with_placeholders
+        past_end = req.num_computed_tokens - len(req.all_token_ids) - req.num_output_placeholders
         if past_end >= 0 and not req.pooling:
             req.num_output_placeholders += past_end + 1
 

@@ -78,12 +78,13 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if the pool is short."""
-        computed_blocks = computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])
+        if not computed_blocks:
+            if -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) <= len(held):
+                return True  # the common case, a decode inside its last block: nothing changes (every step)
+            computed_blocks = []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(computed_blocks)
-        if needed <= 0 and not computed_blocks:
-            return True  # the common case, a decode inside its last block: nothing changes (every step)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(needed, 0) + revived > self.pool.num_free_blocks:
             return False

@@ -201,14 +201,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         max_prefills = self.step_policy.max_prefill_requests if phase is Phase.PREFILL else None
         num_prefills = 0
+        # Runs per request per step: names bound once here.
         running, num_new_tokens, allocate = self.running, self._num_new_tokens, self.kv.allocate_slots
+        cache_blocks, any_phase, want_decode = self.kv.cache_blocks, phase is Phase.ANY, phase is Phase.DECODE
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if phase is not Phase.ANY and self._is_decode(req) != (phase is Phase.DECODE):
+            if not any_phase and self._is_decode(req) != want_decode:
                 i += 1
                 continue
-            n = min(num_new_tokens(req), budget)
+            n = num_new_tokens(req)
+            if n > budget:
+                n = budget
             if n <= 0:
                 i += 1
                 continue
@@ -231,7 +235,7 @@ class Scheduler:
             if drafts:
                 draft_slots[req.request_id] = drafts
             # Capped at the committed tokens: drafts are never hashed into the prefix cache.
-            self.kv.cache_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
+            cache_blocks(req, min(req.num_computed_tokens + n, len(req.all_token_ids)))
             budget -= n
             if max_prefills is not None and not self._is_decode(req):
                 num_prefills += 1
@@ -375,7 +379,8 @@ class Scheduler:
                     self.last_dead_token_req_ids.append(rid)
                 continue
             self._on_output(req, len(tokens), draft_slots.get(rid, 0) if draft_slots else 0)
-            store_prompt_logprobs(req, result, rid)
+            if result.prompt_logprobs:
+                store_prompt_logprobs(req, result, rid)
             if tokens and result.num_drafted and rid in result.num_drafted:
                 self._count_spec(result.num_drafted[rid], len(tokens) - 1)
             if req.pooling:
@@ -406,22 +411,30 @@ class Scheduler:
         if not tokens:
             return None
         status: RequestStatus | None = None
-        kept = 0
-        for tok in tokens:
-            req.append_output_token(tok)
-            kept += 1
-            if req.grammar is not None and not req.grammar.accept_tokens(rid, [tok]):
-                status = RequestStatus.FINISHED_ERROR
-                break
+        if len(tokens) == 1 and req.grammar is None:  # a plain decode: most requests in most steps
+            tok = tokens[0]
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
             status = self._check_stop(req, tok)
-            if status is not None:
-                break
-        new = tokens[:kept]  # a copy: the output outlives the worker's list
+            new = [tok]  # a new list: the output outlives the worker's
+        else:
+            kept = 0
+            for tok in tokens:
+                req.append_output_token(tok)
+                kept += 1
+                if req.grammar is not None and not req.grammar.accept_tokens(rid, [tok]):
+                    status = RequestStatus.FINISHED_ERROR
+                    break
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
+            new = tokens[:kept]  # a copy: the output outlives the worker's list
         logprobs = result.logprobs.get(rid) if result.logprobs else None
         if logprobs is not None:
             logprobs = logprobs[:len(new)]
         out = EngineCoreOutput(rid, new, logprobs, num_cached_tokens=req.num_cached_tokens)
-        attach_prompt_logprobs(req, out)
+        if req.prompt_logprobs is not None:
+            attach_prompt_logprobs(req, out)
         if status is not None:
             self._finish(req, status)
             out.finish_reason = status.value
