@@ -20,6 +20,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     pooled: list[float] | None = None
     error: str | None = None
+    # A request whose tokens the core held back until it finished (Request.final_only): when its first
+    # token came (time.monotonic()), for the time-to-first-token the front end would have seen.
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:

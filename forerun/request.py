@@ -71,6 +71,14 @@ class Request:
         self.grammar: Any = None  # a structured-output matcher once compiled
         self.grammar_future: Any = None
         self.use_spec = True  # the scheduler may reserve draft slots for this request's decodes
+        # Read once, at its end, with nothing needed on the way (no stop strings to find in the text, no
+        # logprobs): the core sends its tokens in one output when it finishes instead of one a step. Why:
+        # an output a step costs the engine thread a few microseconds a request (built here, then taken
+        # apart by the front end), on the cores the model runs on, for a batch nobody reads.
+        sp = self.sampling_params
+        self.final_only = (sp.output_kind == "final_only" and not sp.stop and sp.logprobs is None
+                           and not self.pooling)
+        self.first_token_time: float | None = None  # set for final_only requests
         # Filled by prompt position as prefill chunks report them; handed out with the first token.
         asks = self.sampling_params.prompt_logprobs is not None and not self.pooling
         self.prompt_logprobs: list[dict[int, float] | None] | None = [None] * len(self.prompt_token_ids) if asks else None

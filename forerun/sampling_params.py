@@ -43,7 +43,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # "cumulative": an output every step (text so far and this step's delta), for streaming;
     # "final_only": one output when the request ends (vLLM's FINAL_ONLY), what `LLM.generate` uses.
-    # Without stop strings a final-only request's text is decoded once at the end, not every step.
+    # Without stop strings a final-only request's text is decoded once at the end, not every step, and
+    # without logprobs too the engine core sends its tokens once, at the end.
     output_kind: str = "cumulative"
     # A dict of StructuredOutputsParams' fields is accepted and converted.
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None

@@ -26,7 +26,7 @@ class ScriptedCore:
         self.failed_once = False
         kv = SimpleNamespace(num_free_blocks=10, pool=SimpleNamespace(num_blocks=10), stats=SimpleNamespace(hit_rate=0.5))
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0, num_dead_tokens=0, kv=kv,
-                                         spec_stats=SpecDecodeStats())
+                                         spec_stats=SpecDecodeStats(), num_generated_tokens=0)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.prompt_token_ids == [666]:
@@ -47,6 +47,7 @@ class ScriptedCore:
         if not self.failed_once:
             self.failed_once = True
             raise EngineStepError("boom", [EngineCoreOutput(r, [], finish_reason="error", error="boom") for r in ids])
+        self.scheduler.num_generated_tokens += len(ids)  # as the real scheduler counts tokens it commits
         return [EngineCoreOutput(r, [7], finish_reason="length") for r in ids]
 
 

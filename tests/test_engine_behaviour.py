@@ -43,6 +43,38 @@ def test_max_tokens_exact_and_no_extra_scheduled_tokens(llm):
     assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.num_blocks
 
 
+def test_final_only_outputs_match_streamed_ones_and_keep_first_token_time(llm):
+    """LLM.generate's requests are final-only: the core sends each once, when it ends. Tokens, text and
+    finish reasons equal those of the same requests streamed a step at a time, and the time to first
+    token is when the first token came, not when the request ended."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = llm.engine
+    sent = []
+    run_step = engine.core.run_step
+
+    def recording_step():
+        out = run_step()
+        sent.extend(out)
+        return out
+
+    engine.core.run_step = recording_step
+    try:
+        final = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        del engine.core.run_step  # the class's method again
+    assert len(sent) == len(PROMPTS) and all(o.finished and len(o.new_token_ids) == 12 for o in sent)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    streamed, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            streamed[out.request_id] = out
+    assert steps >= 12 and all(streamed[i].finished for i in ids)
+    assert [(c.token_ids, c.text, c.finish_reason) for o in final for c in o.outputs] == \
+        [(c.token_ids, c.text, c.finish_reason) for i in ids for c in streamed[i].outputs]
+    assert all(0 < o.metrics["ttft"] < o.metrics["e2e"] for o in final)
+
+
 def test_seeded_sampling_reproducible_and_option_changes(llm):
     base = dict(max_tokens=12, ignore_eos=True)
     greedy = tokens(gen(llm, PROMPTS, temperature=0, **base))

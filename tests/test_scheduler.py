@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import pytest
@@ -168,3 +169,34 @@ def test_failed_step_leaves_no_unwritten_block_in_the_prefix_cache():
     sched.add_request(req("q", 13))
     assert sched.schedule().num_scheduled_tokens == {"q": 13}
     assert sched.requests["q"].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_final_only_requests_are_sent_once_with_every_token(async_mode):
+    """A final-only request with no stop strings and no logprobs is sent once, when it ends, holding all
+    its tokens and the time of its first; with stop strings or logprobs it is sent every step, as a
+    streamed request is. Tokens and finish reasons are those of the same requests streamed, preempted
+    ones included (6 blocks of 4 slots cannot hold three requests of 8 + 8 tokens)."""
+    kinds = {"held": dict(output_kind="final_only"), "stops": dict(output_kind="final_only", stop=["x"]),
+             "logprobs": dict(output_kind="final_only", logprobs=1), "stream": {}}
+    runs = {}
+    for held_back in (False, True):
+        sched = make(async_mode, blocks=6)
+        for k, (rid, kw) in enumerate(kinds.items()):
+            sched.add_request(req(rid, 8, max_tokens=8, base=30 * k, **(kw if held_back else {})))
+        eos = {"stops": 5}
+        before = time.monotonic()
+        outputs, _ = drive(sched, ScriptedRunner(eos_at=eos), async_mode)
+        runs[held_back] = (outputs, tokens_by_request(outputs))
+        assert sched.num_preemptions > 0
+        assert sched.num_generated_tokens == sum(len(t) for t in runs[held_back][1][0].values())
+    outputs, (got, reasons) = runs[True]
+    assert (got, reasons) == runs[False][1]
+    assert got["held"] == [100 + i for i in range(8)] and reasons["stops"] == "stop"
+    per_request = {rid: [o for o in outputs if o.request_id == rid] for rid in kinds}
+    assert len(per_request["held"]) == 1 and per_request["held"][0].finish_reason == "length"
+    first = per_request["held"][0].first_token_time
+    assert first is not None and before <= first <= time.monotonic()
+    for rid in ("stops", "logprobs", "stream"):
+        assert [len(o.new_token_ids) for o in per_request[rid]] == [1] * len(got[rid])
+        assert all(o.first_token_time is None for o in per_request[rid])

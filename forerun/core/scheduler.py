@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.num_dead_tokens = 0
+        self.num_generated_tokens = 0  # output tokens committed, counted as they arrive (not as they are sent)
         self.last_dead_token_req_ids: list[str] = []
         self.total_scheduled_tokens = 0
         self.spec_stats = SpecDecodeStats()
@@ -417,6 +419,7 @@ class Scheduler:
             req.all_token_ids.append(tok)
             status = self._check_stop(req, tok)
             new = [tok]  # a new list: the output outlives the worker's
+            self.num_generated_tokens += 1
         else:
             kept = 0
             for tok in tokens:
@@ -429,10 +432,19 @@ class Scheduler:
                 if status is not None:
                     break
             new = tokens[:kept]  # a copy: the output outlives the worker's list
+            self.num_generated_tokens += kept
+        if req.final_only:  # held back until the request finishes (Request.final_only)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if status is None:
+                self.kv.cache_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
+                return None
+            new = list(req.output_token_ids)
         logprobs = result.logprobs.get(rid) if result.logprobs else None
         if logprobs is not None:
             logprobs = logprobs[:len(new)]
-        out = EngineCoreOutput(rid, new, logprobs, num_cached_tokens=req.num_cached_tokens)
+        out = EngineCoreOutput(rid, new, logprobs, num_cached_tokens=req.num_cached_tokens,
+                               first_token_time=req.first_token_time)
         if req.prompt_logprobs is not None:
             attach_prompt_logprobs(req, out)
         if status is not None:

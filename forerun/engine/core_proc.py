@@ -195,7 +195,6 @@ class _CoreLoop:
         self.stopping = False
         self.stats_wanted = False
         self.rejected: list[tuple[str, str]] = []
-        self.generated = 0
         self.steps = 0
         self.last_stats = 0.0
         self.last_health = time.monotonic()
@@ -218,7 +217,6 @@ class _CoreLoop:
                     outputs = exc.outputs  # every pending request ends with an error; keep serving
                     self.last_health = 0.0  # unless the step failed because a worker is gone
                 self.steps += 1
-                self.generated += sum(len(o.new_token_ids) for o in outputs)
             self._send(outputs, went_idle=busy and not self.core.has_unfinished_requests())
             self._check_workers()
 
@@ -274,7 +272,7 @@ class _CoreLoop:
         total = kv.pool.num_blocks
         return EngineStats(sched.num_running, sched.num_waiting, total - kv.num_free_blocks, kv.num_free_blocks,
                            total, kv.stats.hit_rate, sched.num_preemptions, sched.num_dead_tokens,
-                           self.generated, self.steps, sched.spec_stats.num_drafts,
+                           sched.num_generated_tokens, self.steps, sched.spec_stats.num_drafts,
                            sched.spec_stats.num_draft_tokens, sched.spec_stats.num_accepted_tokens)
 
 

@@ -110,7 +110,7 @@ class OutputProcessor:
                 if state.num_unfinished == 0:
                     finished.append(parent)
             if state.first_token_time is None and co.new_token_ids:
-                state.first_token_time = now
+                state.first_token_time = now if co.first_token_time is None else co.first_token_time
             if co.num_cached_tokens > output.num_cached_tokens:
                 output.num_cached_tokens = co.num_cached_tokens
         for rid in finished:
