@@ -11,6 +11,7 @@ from typing import Any
 from forerun.core.kv_cache_manager import KVCacheManager
 from forerun.core.prompt_logprobs import attach_prompt_logprobs, store_prompt_logprobs
 from forerun.core.request_queue import add_running, make_waiting_queue
+from forerun.core.request_tokens import append_tokens
 from forerun.core.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                            SchedulerOutput)
 from forerun.core.spec_stats import SpecDecodeStats
@@ -412,27 +413,8 @@ class Scheduler:
                        rid: str) -> EngineCoreOutput | None:
         if not tokens:
             return None
-        status: RequestStatus | None = None
-        if len(tokens) == 1 and req.grammar is None:  # a plain decode: most requests in most steps
-            tok = tokens[0]
-            req.output_token_ids.append(tok)
-            req.all_token_ids.append(tok)
-            status = self._check_stop(req, tok)
-            new = [tok]  # a new list: the output outlives the worker's
-            self.num_generated_tokens += 1
-        else:
-            kept = 0
-            for tok in tokens:
-                req.append_output_token(tok)
-                kept += 1
-                if req.grammar is not None and not req.grammar.accept_tokens(rid, [tok]):
-                    status = RequestStatus.FINISHED_ERROR
-                    break
-                status = self._check_stop(req, tok)
-                if status is not None:
-                    break
-            new = tokens[:kept]  # a copy: the output outlives the worker's list
-            self.num_generated_tokens += kept
+        new, status = append_tokens(req, tokens, rid)
+        self.num_generated_tokens += len(new)
         if req.final_only:  # held back until the request finishes (Request.final_only)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
@@ -456,20 +438,6 @@ class Scheduler:
         else:
             self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         return out
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        if len(req.output_token_ids) > sp.min_tokens or sp.min_tokens == 0:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None and req.grammar.is_terminated():
-            return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= req.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req in self.running:
