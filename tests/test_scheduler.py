@@ -176,7 +176,7 @@ def test_final_only_requests_are_sent_once_with_every_token(async_mode):
     """A final-only request with no stop strings and no logprobs is sent once, when it ends, holding all
     its tokens and the time of its first; with stop strings or logprobs it is sent every step, as a
     streamed request is. Tokens and finish reasons are those of the same requests streamed, preempted
-    ones included (6 blocks of 4 slots cannot hold three requests of 8 + 8 tokens)."""
+    ones included (6 blocks of 4 slots cannot hold four requests of 8 + 8 tokens)."""
     kinds = {"held": dict(output_kind="final_only"), "stops": dict(output_kind="final_only", stop=["x"]),
              "logprobs": dict(output_kind="final_only", logprobs=1), "stream": {}}
     runs = {}
