@@ -71,3 +71,33 @@ def test_warm_up_runs_the_largest_steps_without_caching_the_timed_prompts(tiny_l
     finally:
         engine.shutdown()
     assert len(cached) == 12 and sorted(cached)[:10] == [0] * 10, cached
+
+
+def test_warm_up_runs_each_matmul_shape_at_every_decode_row_bucket(tiny_llama_dir):
+    """The benchmark's warm-up runs every dense matmul shape at each row count a step of up to
+    max_num_seqs rows runs it at, so that kernels compiled per shape (oneDNN's) are compiled before the
+    timed run, as they are before its replay."""
+    from forerun.bench.throughput import _warm_up
+    from forerun.bench.workloads import random_workload
+    from forerun.kernels.linear import row_bucket
+    from forerun.model.layers import PackableLinear
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=40), show_progress=False)
+    try:
+        rows_by_shape: dict[tuple[int, ...], set[int]] = {}
+        for module in engine.core.executor.worker.model.modules():
+            if isinstance(module, PackableLinear) and module.blocks is None:
+                shape = module.dense_shape or tuple(module.weight.shape)
+
+                def recording(x, with_bias=True, _real=module.matmul, _shape=shape):
+                    rows_by_shape.setdefault(_shape, set()).add(x.shape[0])
+                    return _real(x, with_bias)
+
+                module.matmul = recording
+        _warm_up(engine, random_workload(256, num_prompts=4, input_len=8, output_len=2, vary=False,
+                                         ignore_eos=True))
+    finally:
+        engine.shutdown()
+    buckets = {row_bucket(n) for n in range(1, 41)}
+    assert len(buckets) == 26 and len(rows_by_shape) >= 4
+    assert all(buckets <= rows for rows in rows_by_shape.values()), rows_by_shape

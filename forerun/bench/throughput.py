@@ -93,8 +93,9 @@ class ModeRun:
 
 
 def _warm_up(engine: LLMEngine, workload: Workload) -> None:
-    """Allocator, first-call costs, the grammar compile (cached and shared afterwards), and the KV
-    cache's pages: untouched, the timed run would pay their first-use faults (a few % of a 55 M run)
+    """Allocator, first-call costs, the grammar compile (cached and shared afterwards), the KV cache's
+    pages (untouched, the timed run would pay their first-use faults, a few % of a 55 M run) and the
+    matmul kernels of every decode batch size (Worker.warm_matmuls): the timed run would pay each once
     and a forward-only replay on the same executor would not.
 
     The heap is warmed with the timed run's largest steps: two token budgets of the workload's prompts
@@ -104,6 +105,7 @@ def _warm_up(engine: LLMEngine, workload: Workload) -> None:
     replay after the run would not (55 M shape: the run's first prefill chunk took 105-165 ms longer
     than in its replay, the second 25-45 ms)."""
     engine.core.executor.collective_rpc("touch_kv_cache")
+    engine.core.executor.collective_rpc("warm_matmuls", (engine.config.max_num_seqs,))
     n = len(workload.prompts)
     warm = sorted({0, min(1, n - 1)}) + [i for i, p in enumerate(workload.params)
                                          if p.structured_outputs is not None][:1]

@@ -20,7 +20,7 @@ from forerun.heap import STEP_TRIM, fix_heap_thresholds
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
-from forerun.kernels.linear import LinearPlan
+from forerun.kernels.linear import LinearPlan, row_bucket
 from forerun.kernels.ops import NativeOps
 from forerun.kernels.block_linear import small_block_linear
 from forerun.kernels.probe import (DTYPE_NAMES, KernelChoice, MatmulPair, choose_gemv_rows,
@@ -28,6 +28,7 @@ from forerun.kernels.probe import (DTYPE_NAMES, KernelChoice, MatmulPair, choose
 from forerun.loader.model_source import cache_dir
 from forerun.model.attention import NativeDecodeBackend
 from forerun.model.bert import load_bert
+from forerun.model.layers import PackableLinear
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
 from forerun.model.registry import load_model, model_matmul_shapes
@@ -295,6 +296,26 @@ class Worker:
         assert self.runner is not None
         for cache in getattr(self.runner, "kv_caches", ()):
             cache.zero_()
+
+    def warm_matmuls(self, max_rows: int) -> int:
+        """Run each distinct dense matmul shape of the model once at every row count a step of up to
+        `max_rows` rows runs it at (forerun.kernels.linear.row_bucket); returns the number of calls.
+        oneDNN compiles a kernel per shape at its first use (1.5-2 ms each, forerun.kernels.linear), so
+        a benchmark's first timed run in a process would compile them inside its steps while the
+        forward-only replay after it found them compiled: every set's first pair read lowest."""
+        assert self.runner is not None
+        shapes: dict[tuple[int, ...], PackableLinear] = {}
+        for module in self.model.modules():
+            if isinstance(module, PackableLinear) and module.blocks is None:
+                shape = module.dense_shape or tuple(module.weight.shape)
+                if len(shape) == 2 and shape[1] > 0:
+                    shapes.setdefault(shape, module)
+        rows = sorted({row_bucket(n) for n in range(1, max_rows + 1)})
+        with torch.inference_mode():
+            for shape, module in shapes.items():
+                for n in rows:
+                    module.matmul(torch.zeros(n, shape[1], dtype=self.dtype, device=self.device))
+        return len(shapes) * len(rows)
 
     def matmul_peak_gflops(self) -> float:
         """GFLOPS of this rank's matmuls at the model's decode shapes with the dtype and kernel in use,
