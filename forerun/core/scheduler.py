@@ -415,12 +415,13 @@ class Scheduler:
             return None
         new, status = append_tokens(req, tokens, rid)
         self.num_generated_tokens += len(new)
-        if req.final_only:  # held back until the request finishes (Request.final_only)
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            if status is None:
-                self.kv.cache_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
-                return None
+        if req.final_only and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if status is None:
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
+            if req.final_only:
+                return None  # held back until the request finishes (Request.final_only)
+        elif req.final_only:
             new = list(req.output_token_ids)
         logprobs = result.logprobs.get(rid) if result.logprobs else None
         if logprobs is not None:
@@ -435,8 +436,6 @@ class Scheduler:
             out.stop_reason = req.stop_reason
             if status == RequestStatus.FINISHED_ERROR:
                 out.error = "sampled token rejected by the request's grammar"
-        else:
-            self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         return out
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
