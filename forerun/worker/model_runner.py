@@ -197,17 +197,25 @@ class ModelRunner:
     def _scatter_pending(self, states: list[RowState], start: np.ndarray, known: np.ndarray,
                          cu: np.ndarray, input_ids: Tensor) -> None:
         """Fill inputs whose token was sampled last step and is known only on the device."""
-        dst, src = [], []
+        rows, src = [], []
+        prev_rows = self._prev_rows
         for i, s in enumerate(states):
             if s.last_pending:
-                prev = self._prev_rows.get(s.req_id)
-                if prev is None or prev[0] is not s:
-                    continue
-                dst.append(int(cu[i] + known[i] - 1 - start[i]))
-                src.append(prev[1])
-        if dst:
-            input_ids[torch.tensor(dst, device=self.device)] = \
-                self._prev_sampled[torch.tensor(src, device=self.device)]
+                prev = prev_rows.get(s.req_id)
+                if prev is not None and prev[0] is s:
+                    rows.append(i)
+                    src.append(prev[1])
+        if not rows:
+            return
+        dst = (cu[:-1] + known - 1 - start)[rows]  # each such row's last known token, in the flat step
+        assert self._prev_sampled is not None
+        if input_ids.device.type == "cpu":
+            # On the host, numpy's indexing. Why: arithmetic on numpy scalars per row and three torch
+            # calls made input preparation about a quarter slower (a tiny model's step of ~200 rows,
+            # sync mode: 580-650 against 760-810 us), and each torch call gives the GIL up.
+            input_ids.numpy()[dst] = self._prev_sampled.numpy()[src]
+        else:
+            input_ids[torch.from_numpy(dst).to(self.device)] = self._prev_sampled[torch.tensor(src, device=self.device)]
 
     def _flush_prev(self) -> None:
         """Write the previous step's sampled ids into host state (token buffer, output ids)."""
