@@ -62,6 +62,9 @@ class RowState:
     last_pending: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     controls: LogitControls | None = None
+    # Its token is the argmax of its raw logits: greedy, and no logprobs, penalties, min_tokens, logit
+    # controls or seeded generator (which draws a number even for a greedy row). Grammars are per step.
+    plain_greedy: bool = False
 
 
 class InputBatch:
@@ -123,6 +126,10 @@ class InputBatch:
             state.controls = LogitControls.from_params(sp)
             if state.controls is not None:
                 self.controlled.add(req_id)
+            state.plain_greedy = (sp.temperature == 0.0 and sp.logprobs is None and sp.min_tokens == 0
+                                  and sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0
+                                  and sp.frequency_penalty == 0.0 and state.controls is None
+                                  and state.generator is None)
         self.states[req_id] = state
         return state
 
