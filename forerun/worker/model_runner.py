@@ -256,8 +256,8 @@ class ModelRunner:
             return result
         kept = step.sampling_states
         if (grammar is None or not grammar.structured_req_ids) and all(s.plain_greedy for s in kept):
-            # What the sampler gives such rows, without building its per-row inputs (a quarter of a
-            # decode step's sampling at one request, a third at ~200 rows).
+            # What the sampler gives such rows, without building its per-row inputs: they cost about a
+            # third of a step's sampling at one request and a tenth to a fifth at ~200 rows.
             out = SamplerOutput(argmax_rows(step.logits.float()))
         else:
             meta = build_sampling_metadata(self.batch, kept, self.vocab_size, self.device)
