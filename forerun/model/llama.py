@@ -7,15 +7,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.kernels.decode import DecodeDims, DecodeEnds, DecodeLayers, DecodeLayerWeights
+from forerun.kernels.decode import DecodeLayers
 from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
-from forerun.model.attention import AttentionBackend, AttentionMetadata, NativeDecodeBackend, TorchSDPABackend
+from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
+from forerun.model.llama_fused_step import build_fused_step, why_not_fused
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.parallel import PPStage, TPGroup
@@ -308,53 +308,10 @@ class LlamaForCausalLM(nn.Module):
         """Run small decode steps through every layer in one C call (forerun.kernels.decode) from
         now on; call after `use_linear_kernel`. Returns why it cannot, or None when it does. `split`
         False: its attention never splits a context (batch-invariant mode)."""
-        why = self._why_not_decode_layers()
+        why = why_not_fused(self)
         self.decode_kernels = (lib, split)
-        self.decode_layers = None if why else self._build_decode_layers(lib, split)
+        self.decode_layers = None if why else build_fused_step(self, lib, split)
         return why
-
-    def _why_not_decode_layers(self) -> str | None:
-        """Why this stage's layers cannot run as one C call (None when they can)."""
-        if self.tp.size != 1 or not (self.pp.is_first and self.pp.is_last):
-            return "tensor or pipeline parallelism"
-        if self.args.qk_norm:
-            return "per-head q/k norms"
-        layers = [self.model.layers[i] for i in self.local_layers]
-        for layer in layers:
-            a, mlp = layer.self_attn, layer.mlp
-            if any(lin.small is None for lin in _linears(layer)):
-                return "a matmul without a compact-weight form"
-            if a.native is None or mlp.native is None or layer.input_layernorm.native is None:
-                return "no fused C ops"
-            if not isinstance(a.backend, NativeDecodeBackend):
-                return "attention not in C"
-            if layer.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
-                return "neither fp32 nor bf16"
-        if not DecodeLayers.shape_supported(self._decode_dims()):
-            return "an attention shape the C kernel lacks"
-        return None
-
-    def _decode_dims(self) -> DecodeDims:
-        first = self.model.layers[self.local_layers[0]]
-        a = first.self_attn
-        return DecodeDims(self.args.hidden_size, first.mlp.inter, a.num_heads, a.num_kv_heads, a.head_dim,
-                          self.args.rms_norm_eps, a.scale)
-
-    def _build_decode_layers(self, lib: ctypes.CDLL, split: bool) -> DecodeLayers:
-        """The fused step over this stage's layers, handed as plain weights and sizes."""
-        layers = [self.model.layers[i] for i in self.local_layers]
-        weights = []
-        for layer in layers:
-            qkv, o, gate_up, down = (lin.small for lin in _linears(layer))
-            assert qkv is not None and o is not None and gate_up is not None and down is not None
-            weights.append(DecodeLayerWeights(qkv, o, gate_up, down, layer.input_layernorm.weight,
-                                              layer.post_attention_layernorm.weight, layer.self_attn.window))
-        max_rows = min(lin.small_rows for layer in layers for lin in _linears(layer))
-        kv_dtype = layers[0].input_layernorm.weight.dtype  # the engine's dtype, which its KV cache has
-        embed = self.model.embed_tokens
-        ends = DecodeEnds(embed.weight if embed.table is None else embed.table, self.model.rotary.table,
-                          self.model.norm.weight, self.lm_head.small, self.lm_head.small_rows)
-        return DecodeLayers(lib, weights, self._decode_dims(), max_rows, kv_dtype, split, ends)
 
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""
@@ -434,11 +391,6 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("lm_head."):
             return self.lm_head is not None
         return True
-
-
-def _linears(layer: nn.Module) -> tuple[PackableLinear, ...]:
-    """A decoder layer's four matmuls: q/k/v, output, gate/up, down (the fused step's order)."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _parts(model: nn.Module, param_name: str) -> int:
