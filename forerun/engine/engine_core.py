@@ -208,10 +208,10 @@ class EngineCore(TrainerCalls):
         oldest = self.batch_queue.popleft()
         t0 = time.perf_counter()
         try:
-            oldest.execute.result()  # a forward that raised reports its own error, not sampling's
             if oldest.sample is None:
+                oldest.execute.result()  # a forward that raised reports its own error, not sampling's
                 oldest.sample = self.executor.sample_tokens(self._grammar_output(oldest.sched), non_block=True)
-            result = oldest.sample.result()
+            result = self._sampled(oldest)
         except Exception as exc:
             raise self._fail_all(exc) from exc
         if self.trace is not None:
@@ -221,6 +221,21 @@ class EngineCore(TrainerCalls):
             newer = self.batch_queue[0]  # its grammar just advanced: build its bitmask and sample
             newer.sample = self.executor.sample_tokens(self._grammar_output(newer.sched), non_block=True)
         return outputs
+
+    @staticmethod
+    def _sampled(step: _InFlight) -> ModelRunnerOutput:
+        """The step's sampled tokens. Only the sampling call is waited on: the worker runs it after the
+        forward, so one wake-up of this thread a step instead of two, each of which took the GIL just as
+        the worker went from the forward to sampling. A forward that raised reports its own error, not
+        sampling's."""
+        assert step.sample is not None
+        try:
+            result = step.sample.result()
+        except Exception:
+            step.execute.result()
+            raise
+        step.execute.result()
+        return result
 
     def _launch(self, sched: SchedulerOutput) -> _InFlight:
         execute = self.executor.execute_model(sched, non_block=True)
