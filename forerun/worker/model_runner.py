@@ -175,8 +175,12 @@ class ModelRunner:
         cu = np.zeros(len(states) + 1, np.int64)
         np.cumsum(n, out=cu[1:])
         total = int(cu[-1])
-        tok_rows = np.repeat(rows, n)
-        positions = np.repeat(start - cu[:-1], n) + np.arange(total)
+        decode = total == len(states)  # one token a row, at the row's own next position
+        if decode:
+            tok_rows, positions = rows, start
+        else:
+            tok_rows = np.repeat(rows, n)
+            positions = np.repeat(start - cu[:-1], n) + np.arange(total)
         input_ids = torch.from_numpy(b.token_buf[tok_rows, positions])
         seq_lens = start + n
         keep_idx = np.nonzero(seq_lens >= known)[0]  # rows that sample a token the worker keeps
@@ -190,8 +194,11 @@ class ModelRunner:
             tables = b.block_table[rows, :max_blocks]
             slots = b.block_table[tok_rows, positions // self.block_size].astype(np.int64) * self.block_size \
                 + positions % self.block_size
-            attn = AttentionMetadata.build(n.tolist(), seq_lens.tolist(), torch.from_numpy(tables).to(self.device),
-                                           torch.from_numpy(slots).to(self.device), self.block_size)
+            if decode:
+                attn = AttentionMetadata.for_decode(seq_lens, tables, slots, self.block_size, self.device)
+            else:
+                attn = AttentionMetadata.build(n.tolist(), seq_lens.tolist(), torch.from_numpy(tables).to(self.device),
+                                               torch.from_numpy(slots).to(self.device), self.block_size)
         return input_ids, torch.from_numpy(positions).to(self.device), attn, keep_idx.tolist(), cu
 
     def _scatter_pending(self, states: list[RowState], start: np.ndarray, known: np.ndarray,
