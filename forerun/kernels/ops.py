@@ -1,4 +1,5 @@
-"""Fused residual-add + RMSNorm and SiLU-and-multiply from the C library (`csrc/fused_ops.c`).
+"""Fused residual-add + RMSNorm and SiLU-and-multiply from the C library (`csrc/fused_ops.c`), and
+greedy sampling's argmax over logits in the model's dtype (`csrc/argmax.c`).
 
 Each replaces four or five torch ops and their temporaries with one pass over memory. `NativeOps`
 answers None where it cannot run an input (another device or dtype, a strided tensor), and the
@@ -50,6 +51,18 @@ class NativeOps:
             fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
                res_out.data_ptr(), x.shape[0], x.shape[1], eps, threads_for(x.numel()))
         return out, res_out
+
+    def argmax_rows(self, logits: Tensor) -> Tensor | None:
+        """Each row's argmax as int64 [rows], as torch.argmax gives it (first index of the largest value,
+        a NaN counting as the largest), read without a float32 copy of bf16 logits."""
+        if logits.dim() != 2 or not self._ok(logits) or logits.shape[1] >= 1 << 31:
+            return None
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        fn = getattr(self.lib, "argmax_rows" + _SUFFIX[logits.dtype])
+        with profiled("forerun::argmax_rows"):
+            fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.shape[1], out.data_ptr(),
+               threads_for(logits.numel()))
+        return out
 
     def silu_mul(self, gate_up: Tensor) -> Tensor | None:
         """silu(gate) * up for gate_up = [rows, 2 * inter] holding gate then up."""

@@ -319,11 +319,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
                 module.native = ops
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Full-vocab float32 logits [n, vocab] (gathered over ranks); those of a fused step's output
-        come from that step."""
+    def compute_logits(self, hidden: Tensor, float32: bool = True) -> Tensor:
+        """Full-vocab logits [n, vocab] (gathered over ranks): float32, or with `float32` False in the
+        dtype the LM head gives (greedy sampling reads bf16 logits as they are); those of a fused
+        step's output come from that step."""
         logits = None if self.decode_layers is None else self.decode_layers.logits_of(hidden)
-        return self.lm_head(hidden).float() if logits is None else logits
+        if logits is None:
+            logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor | CompactWeight]]) -> None:
         """Load HF-named tensors: q/k/v and gate/up are packed, tensor-parallel shards are cut here. A

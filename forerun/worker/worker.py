@@ -115,6 +115,7 @@ class Worker:
         self.hf_config = json.loads((self.folder / "config.json").read_text())
         self.encoder_only = config.runner == "pooling" and is_encoder_model(self.hf_config)
         self.gemm: PackedGemm | None = None
+        self.native_ops: NativeOps | None = None
         if self.encoder_only:
             if world_size > 1:
                 raise ValueError("tensor_parallel_size: encoder (embedding) models run on one rank")
@@ -145,7 +146,8 @@ class Worker:
                                     None if lib is None else NativeDecodeBackend(lib, invariant), self.stage,
                                     self.pp_size, keep_blocks=lib is not None, load_format=config.load_format)
             if lib is not None:
-                self.model.use_native_ops(NativeOps(lib))
+                self.native_ops = NativeOps(lib)
+                self.model.use_native_ops(self.native_ops)
             plan = LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, 0, self.gemm, lib,
                               config.dense_weights, ordered, int8_activations=config.int8_activations,
                               invariant=invariant)
@@ -260,7 +262,7 @@ class Worker:
             shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
             caches = [_zeros(shape, self.dtype, self.device) for _ in self.model.local_layers]
         args = (self.model, caches, self.config.block_size, self.config.max_num_seqs, max_model_len,
-                int(self.hf_config.get("vocab_size", 0)), self.device)
+                int(self.hf_config.get("vocab_size", 0)), self.device, self.native_ops)
         if self.config.runner == "pooling":
             pooling = PoolingConfig.from_folder(self.folder, default="last")
             cls = EncoderPoolingRunner if self.encoder_only else PoolingModelRunner
