@@ -181,20 +181,23 @@ def test_fused_norm_and_activation_match_torch(native, dtype, rows):
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 @pytest.mark.parametrize("head_dim", [64, 10])
-def test_rotary_equals_the_stock_ops_bit_for_bit(native, tokens, head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_the_stock_ops_bit_for_bit(native, tokens, head_dim, dtype):
     from forerun.model.layers import RotaryEmbedding
     from forerun.kernels.ops import NativeOps
     ops = NativeOps(native.lib)
-    rope = RotaryEmbedding(head_dim, 2048, 10000.0)
+    rope = RotaryEmbedding(head_dim, 2048, 10000.0).to(dtype)  # a bf16 model's table is bf16
     gen = torch.Generator().manual_seed(tokens)
     heads, kv = 6, 2
-    qkv = torch.randn(tokens, (heads + 2 * kv) * head_dim, generator=gen) * 3
+    qkv = (torch.randn(tokens, (heads + 2 * kv) * head_dim, generator=gen) * 3).to(dtype)
     cos, sin = rope.cos_sin(torch.randint(0, 2048, (tokens,), generator=gen))
     qk = qkv[:, : (heads + kv) * head_dim]  # strided rows, as inside the packed projection
     want = RotaryEmbedding.apply(qk.reshape(tokens, -1, head_dim), cos, sin)
     got = ops.rotary(qk, cos, sin, head_dim)
-    assert got is not None and got.shape == want.shape and torch.equal(got, want)
-    assert ops.rotary(qk.bfloat16(), cos, sin, head_dim) is None, "bf16 is left to torch"
+    assert got is not None and got.shape == want.shape and got.dtype == dtype and torch.equal(got, want)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert ops.rotary(qk, cos.to(other), sin.to(other), head_dim) is None, "factors of another dtype"
+    assert ops.rotary(qk.half(), cos.half(), sin.half(), head_dim) is None, "f16 is left to torch"
     assert ops.rotary(qk[:, 1:], cos, sin, head_dim) is None, "a width that is not whole heads"
 
 

@@ -42,6 +42,7 @@ SIGNATURES = {
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     "argmax_rows": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
+    "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),
     "gemv_ordered": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "decode_layers": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]),  # the KV cache's dtype
 }
@@ -51,7 +52,6 @@ SIGNATURES_F32 = {
     "gemv_pack": (None, [_PTR, _INT, _I64, _I64, _PTR]),
     "pack_weight": (None, [_PTR, _I64, _I64, _PTR, _INT]),
     "gemm_packed": (None, [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT]),
-    "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),
     "gemv_kquant": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "gemv_kquant_isas": (_INT, []),
     "gemv_q8": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),

@@ -80,14 +80,15 @@ class NativeOps:
         rotated by per-token cos/sin [T, 1, head_dim] (rotate-half factors, `sin` signed for the first half)
         -> [T, heads, head_dim]; None where the kernel does not take the input (then use the stock ops)."""
         tokens, width = x.shape
-        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or width % head_dim
-                or head_dim % 2 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+        if (x.dtype not in _SUFFIX or x.device.type != "cpu" or x.stride(1) != 1 or width % head_dim
+                or head_dim % 2 or cos.dtype != x.dtype or sin.dtype != x.dtype
                 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)
                 or cos.shape[0] != tokens):
             return None
         heads = width // head_dim
         out = x.new_empty(tokens, heads, head_dim)
         with profiled("forerun::rotary"):
-            self.lib.rotary_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                                out.data_ptr(), tokens, heads, head_dim, threads_for(x.numel()))
+            getattr(self.lib, "rotary" + _SUFFIX[x.dtype])(
+                x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), tokens,
+                heads, head_dim, threads_for(x.numel()))
         return out

@@ -62,32 +62,47 @@ SILU_MUL(silu_mul_bf16, uint16_t, ld_bf16, st_bf16, load8_bf16, store8_bf16)
  * cos[t] = (cos, cos) and sin[t] = (-sin, sin) of token t's angles (D values each, rows
  * cos_sin_stride apart: the model's rotary table);
  * x rows are x_stride apart (q and k inside the packed q/k/v output), out is [tokens, heads, D].
- * fp32 only. x * cos is rounded, then swapped * sin is added in one fused multiply-add, exactly as
- * torch's addcmul(x * cos, swapped, sin) computes it, so the result equals the stock ops' bit for bit:
- * automatic FMA contraction is turned off here (it could fuse the other product) and only here. */
+ * The result equals the stock ops' (torch.addcmul(x * cos, swapped, sin)) bit for bit:
+ *  - fp32: x * cos is rounded, then swapped * sin is added in one fused multiply-add, as addcmul does;
+ *  - bf16: every op computes in fp32 and rounds its result to bf16 (addcmul's product of two bf16
+ *    values is exact in fp32, so fused or not, one rounding to fp32, then one to bf16).
+ * Automatic FMA contraction is turned off here (it would fuse the other product, or bf16's) and only
+ * here. */
 #if defined(__clang__)
 #define NO_CONTRACT
+#define CONTRACT_OFF _Pragma("clang fp contract(off)")
 #else
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define CONTRACT_OFF
 #endif
-NO_CONTRACT void rotary_f32(const float *x, int64_t x_stride, const float *cos, const float *sin,
-                            int64_t cos_sin_stride, float *out, int64_t tokens, int64_t heads, int64_t D,
-                            int nthreads) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-    const int64_t half = D / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * cos_sin_stride, *s = sin + t * cos_sin_stride;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *xh = x + t * x_stride + h * D;
-            float *o = out + (t * heads + h) * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = xh[i], b = xh[half + i];
-                o[i] = fmaf(b, s[i], a * c[i]);
-                o[half + i] = fmaf(a, s[half + i], b * c[half + i]);
-            }
-        }
-    }
+static inline float rotate_f32(float a, float c, float b, float s) { return fmaf(b, s, a * c); }
+
+static inline float rotate_bf16(float a, float c, float b, float s) {
+    uint16_t ac;
+    st_bf16(&ac, a * c);
+    return ld_bf16(&ac) + b * s;
 }
+
+#define ROTARY(NAME, T, LD, ST, ROTATE)                                                              \
+    NO_CONTRACT void NAME(const T *x, int64_t x_stride, const T *cos, const T *sin,                  \
+                          int64_t cos_sin_stride, T *out, int64_t tokens, int64_t heads, int64_t D,  \
+                          int nthreads) {                                                            \
+        CONTRACT_OFF                                                                                 \
+        const int64_t half = D / 2;                                                                  \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                           \
+        for (int64_t t = 0; t < tokens; t++) {                                                       \
+            const T *c = cos + t * cos_sin_stride, *s = sin + t * cos_sin_stride;                    \
+            for (int64_t h = 0; h < heads; h++) {                                                    \
+                const T *xh = x + t * x_stride + h * D;                                              \
+                T *o = out + (t * heads + h) * D;                                                    \
+                for (int64_t i = 0; i < half; i++) {                                                 \
+                    const float a = LD(&xh[i]), b = LD(&xh[half + i]);                               \
+                    ST(&o[i], ROTATE(a, LD(&c[i]), b, LD(&s[i])));                                   \
+                    ST(&o[half + i], ROTATE(b, LD(&c[half + i]), a, LD(&s[half + i])));              \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+ROTARY(rotary_f32, float, ld_f32, st_f32, rotate_f32)
+ROTARY(rotary_bf16, uint16_t, ld_bf16, st_bf16, rotate_bf16)
