@@ -75,9 +75,9 @@ SILU_MUL(silu_mul_bf16, uint16_t, ld_bf16, st_bf16, load8_bf16, store8_bf16)
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #define CONTRACT_OFF
 #endif
-static inline float rotate_f32(float a, float c, float b, float s) { return fmaf(b, s, a * c); }
+NO_CONTRACT static inline float rotate_f32(float a, float c, float b, float s) { return fmaf(b, s, a * c); }
 
-static inline float rotate_bf16(float a, float c, float b, float s) {
+NO_CONTRACT static inline float rotate_bf16(float a, float c, float b, float s) {
     uint16_t ac;
     st_bf16(&ac, a * c);
     return ld_bf16(&ac) + b * s;
