@@ -5,29 +5,10 @@
  * Rows are spread over the caller's OpenMP threads (torch's libgomp, bound by soname).
  */
 #include <stdint.h>
-#include <string.h>
 
-#include "vec.h"
+#include "vec16.h"
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-static inline v16f load16_f32(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v16f load16_bf16(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
-}
-
-/* 16-wide vectors: one 512-bit register where the CPU has AVX-512, two 256-bit ones elsewhere.
- * Lane j of chain c holds the largest value seen at indices = 16c + j (mod 16 CHAINS) and the first
+/* Lane j of chain c holds the largest value seen at indices = 16c + j (mod 16 CHAINS) and the first
  * index where it was seen (a strict > only moves it on a larger value). Independent chains, since
  * one compare-and-select chain waits on its own latency; NaNs are left to a scalar pass, taken only
  * when the row holds one. */
@@ -56,7 +37,7 @@ static inline v16f load16_bf16(const uint16_t *p) {
                         idx[c] += W;                                                                \
                         const v16i gt = v > vbest[c];                                               \
                         nan |= v != v;                                                              \
-                        vbest[c] = (v16f)((gt & (v16i)v) | (~gt & (v16i)vbest[c]));             \
+                        vbest[c] = select16(gt, v, vbest[c]);                                   \
                         ibest[c] = (gt & idx[c]) | (~gt & ibest[c]);                                \
                     }                                                                               \
                 for (int c = 0; c < CHAINS; c++)                                                    \

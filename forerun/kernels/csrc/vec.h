@@ -63,24 +63,28 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
 
 static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)((mask & (v8i)a) | (~mask & (v8i)b)); }
 
-/* exp(x) to about 2 ulp (Cephes' expf): 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2. */
-static inline v8f exp8(v8f x) {
-    x = select8(x > splat8(88.3762626647949f), splat8(88.3762626647949f), x);
-    x = select8(x < splat8(-87.3365447504f), splat8(-87.3365447504f), x);
-    v8f fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
-    v8i n = __builtin_convertvector(fx, v8i);
-    v8f t = __builtin_convertvector(n, v8f);
-    n -= (v8i)(t > fx) & 1; /* truncation rounds toward zero: floor for negatives */
-    t = __builtin_convertvector(n, v8f);
-    x = x - t * splat8(0.693359375f) - t * splat8(-2.12194440e-4f);
-    v8f y = splat8(1.9875691500e-4f);
-    y = y * x + splat8(1.3981999507e-3f);
-    y = y * x + splat8(8.3334519073e-3f);
-    y = y * x + splat8(4.1665795894e-2f);
-    y = y * x + splat8(1.6666665459e-1f);
-    y = y * x + splat8(5.0000001201e-1f);
-    y = y * x * x + x + splat8(1.0f);
-    return y * (v8f)((n + 127) << 23);
-}
+/* exp(x) to about 2 ulp (Cephes' expf): 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2. One body for
+ * every vector width (vec16.h makes the 16-wide one), so each lane gets the same bits at any width. */
+#define VEC_EXP(NAME, VF, VI, SPLAT, SELECT)                                                        \
+    static inline VF NAME(VF x) {                                                                   \
+        x = SELECT(x > SPLAT(88.3762626647949f), SPLAT(88.3762626647949f), x);                     \
+        x = SELECT(x < SPLAT(-87.3365447504f), SPLAT(-87.3365447504f), x);                         \
+        VF fx = x * SPLAT(1.44269504088896341f) + SPLAT(0.5f);                                      \
+        VI n = __builtin_convertvector(fx, VI);                                                     \
+        VF t = __builtin_convertvector(n, VF);                                                      \
+        n -= (VI)(t > fx) & 1; /* truncation rounds toward zero: floor for negatives */             \
+        t = __builtin_convertvector(n, VF);                                                         \
+        x = x - t * SPLAT(0.693359375f) - t * SPLAT(-2.12194440e-4f);                               \
+        VF y = SPLAT(1.9875691500e-4f);                                                             \
+        y = y * x + SPLAT(1.3981999507e-3f);                                                        \
+        y = y * x + SPLAT(8.3334519073e-3f);                                                        \
+        y = y * x + SPLAT(4.1665795894e-2f);                                                        \
+        y = y * x + SPLAT(1.6666665459e-1f);                                                        \
+        y = y * x + SPLAT(5.0000001201e-1f);                                                        \
+        y = y * x * x + x + SPLAT(1.0f);                                                            \
+        return y * (VF)((n + 127) << 23);                                                           \
+    }
+
+VEC_EXP(exp8, v8f, v8i, splat8, select8)
 
 #endif
