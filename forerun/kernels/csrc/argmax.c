@@ -6,7 +6,7 @@
  */
 #include <stdint.h>
 
-#include "vec16.h"
+#include "vec.h"
 
 /* Lane j of chain c holds the largest value seen at indices = 16c + j (mod 16 CHAINS) and the first
  * index where it was seen (a strict > only moves it on a larger value). Independent chains, since

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec16.h"
+#include "vec.h"
 
 /* res_out = x + residual (when residual is given, else x); out = res_out / rms(res_out) * weight.
  * The sum is rounded to T before the norm reads it, exactly as `x + residual` in torch would be. */

@@ -1,6 +1,9 @@
-/* 8-wide float vectors (GCC vector extensions: AVX2/AVX-512 on x86, NEON on ARM under -march=native),
- * bf16 conversions, and an exp that vectorises (glibc's vector expf needs -ffast-math, which would
- * also relax every other operation). */
+/* 8- and 16-wide float vectors (GCC vector extensions: AVX2/AVX-512 on x86, NEON on ARM under
+ * -march=native), bf16 conversions, and an exp that vectorises (glibc's vector expf needs -ffast-math,
+ * which would also relax every other operation). A 16-wide vector is one 512-bit register where the
+ * CPU has AVX-512 and two 256-bit ones elsewhere: where a loop is bound by its vector instructions, as
+ * an exp is, it does twice the work per instruction on AVX-512. Each lane's operations are the same at
+ * either width, so both give the same bits. */
 #ifndef FORERUN_VEC_H
 #define FORERUN_VEC_H
 #include <stdint.h>
@@ -10,6 +13,10 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
 
 /* Scalar loads and stores; bf16 rounds to nearest even, as torch does. */
 static inline float ld_f32(const float *p) { return *p; }
@@ -30,27 +37,32 @@ static inline void st_bf16(uint16_t *p, float v) {
 }
 
 static inline v8f splat8(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
+static inline v16f splat16(float v) { return (v16f){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
-static inline v8f load8_f32(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+/* loadN_f32/storeN_f32/loadN_bf16/storeN_bf16 and selectN for N-wide vectors; bf16 stores round to
+ * nearest even, as torch does. */
+#define VEC_LOAD_STORE(N, VF, VI, VU, VH)                                                           \
+    static inline VF load##N##_f32(const float *p) {                                                \
+        VF v;                                                                                       \
+        memcpy(&v, p, sizeof v);                                                                    \
+        return v;                                                                                   \
+    }                                                                                               \
+    static inline void store##N##_f32(float *p, VF v) { memcpy(p, &v, sizeof v); }                  \
+    static inline VF load##N##_bf16(const uint16_t *p) {                                            \
+        VH h;                                                                                       \
+        memcpy(&h, p, sizeof h);                                                                    \
+        return (VF)(__builtin_convertvector(h, VU) << 16);                                          \
+    }                                                                                               \
+    static inline void store##N##_bf16(uint16_t *p, VF v) {                                         \
+        VU u = (VU)v;                                                                               \
+        u += 0x7FFF + ((u >> 16) & 1);                                                              \
+        VH h = __builtin_convertvector(u >> 16, VH);                                                \
+        memcpy(p, &h, sizeof h);                                                                    \
+    }                                                                                               \
+    static inline VF select##N(VI mask, VF a, VF b) { return (VF)((mask & (VI)a) | (~mask & (VI)b)); }
 
-static inline void store8_f32(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-
-static inline v8f load8_bf16(const uint16_t *p) {
-    v8h h;
-    memcpy(&h, p, sizeof h);
-    return (v8f)(__builtin_convertvector(h, v8u) << 16);
-}
-
-static inline void store8_bf16(uint16_t *p, v8f v) {
-    v8u u = (v8u)v;
-    u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even, as torch does */
-    v8h h = __builtin_convertvector(u >> 16, v8h);
-    memcpy(p, &h, sizeof h);
-}
+VEC_LOAD_STORE(8, v8f, v8i, v8u, v8h)
+VEC_LOAD_STORE(16, v16f, v16i, v16u, v16h)
 
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -61,10 +73,8 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o);
 }
 
-static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)((mask & (v8i)a) | (~mask & (v8i)b)); }
-
 /* exp(x) to about 2 ulp (Cephes' expf): 2^n * p(r) with r = x - n ln2, |r| <= ln2 / 2. One body for
- * every vector width (vec16.h makes the 16-wide one), so each lane gets the same bits at any width. */
+ * every vector width, so each lane gets the same bits at any width. */
 #define VEC_EXP(NAME, VF, VI, SPLAT, SELECT)                                                        \
     static inline VF NAME(VF x) {                                                                   \
         x = SELECT(x > SPLAT(88.3762626647949f), SPLAT(88.3762626647949f), x);                     \
@@ -86,5 +96,6 @@ static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)((mask & (v8i)a)
     }
 
 VEC_EXP(exp8, v8f, v8i, splat8, select8)
+VEC_EXP(exp16, v16f, v16i, splat16, select16)
 
 #endif
