@@ -71,7 +71,7 @@ SILU_MUL(silu_mul_bf16, uint16_t, ld_bf16, st_bf16, load8_bf16, store8_bf16, loa
  *  - fp32: x * cos is rounded, then swapped * sin is added in one fused multiply-add, as addcmul does;
  *  - bf16: every op computes in fp32 and rounds its result to bf16 (addcmul's product of two bf16
  *    values is exact in fp32, so fused or not, one rounding to fp32, then one to bf16).
- * Automatic FMA contraction is turned off here (it would fuse the other product, or bf16's) and only
+ * Automatic FMA contraction is turned off here (in fp32 it could fuse the other product) and only
  * here. */
 #if defined(__clang__)
 #define NO_CONTRACT
