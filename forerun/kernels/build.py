@@ -41,7 +41,7 @@ SIGNATURES = {
                                 _I64, _F32, _INT, _I64, _INT]),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, _INT]),
-    "argmax_rows": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
+    "argmax_rows": (None, [_PTR, _I64, _I64, _PTR, _INT]),
     "rotary": (None, [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT]),
     "gemv_ordered": (_INT, [_PTR, _PTR, _I64, _INT, _PTR, _I64, _I64, _I64, _INT, _INT]),
     "decode_layers": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT]),  # the KV cache's dtype

@@ -60,8 +60,7 @@ class NativeOps:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         fn = getattr(self.lib, "argmax_rows" + _SUFFIX[logits.dtype])
         with profiled("forerun::argmax_rows"):
-            fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.shape[1], out.data_ptr(),
-               threads_for(logits.numel()))
+            fn(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(), threads_for(logits.numel()))
         return out
 
     def silu_mul(self, gate_up: Tensor) -> Tensor | None:

@@ -15,10 +15,10 @@
 #define CHAINS 2
 #define W (16 * CHAINS)
 #define ARGMAX_ROWS(NAME, T, LD, LD16)                                                              \
-    void NAME(const T *x, int64_t rows, int64_t n, int64_t row_stride, int64_t *out, int nthreads) { \
+    void NAME(const T *x, int64_t rows, int64_t n, int64_t *out, int nthreads) {                    \
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                          \
         for (int64_t r = 0; r < rows; r++) {                                                        \
-            const T *xr = x + r * row_stride;                                                       \
+            const T *xr = x + r * n;                                                                \
             int64_t i = 0, best = 0;                                                                \
             float top = n ? LD(&xr[0]) : 0.f;                                                       \
             v16i nan = {0};                                                                         \
@@ -37,7 +37,7 @@
                         idx[c] += W;                                                                \
                         const v16i gt = v > vbest[c];                                               \
                         nan |= v != v;                                                              \
-                        vbest[c] = select16(gt, v, vbest[c]);                                   \
+                        vbest[c] = select16(gt, v, vbest[c]);                                       \
                         ibest[c] = (gt & idx[c]) | (~gt & ibest[c]);                                \
                     }                                                                               \
                 for (int c = 0; c < CHAINS; c++)                                                    \

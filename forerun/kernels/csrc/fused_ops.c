@@ -90,9 +90,7 @@ NO_CONTRACT static inline float rotate_bf16(float a, float c, float b, float s) 
 
 /* bf16's rotation 16 lanes at a time, the same bits as rotate_bf16's (the scalar loop did not vectorise). */
 NO_CONTRACT static inline v16f rotate16_bf16(v16f a, v16f c, v16f b, v16f s) {
-    v16u ac = (v16u)(a * c);
-    ac += 0x7FFF + ((ac >> 16) & 1); /* round to nearest even, as store16_bf16 */
-    return (v16f)(ac & 0xFFFF0000u) + b * s;
+    return round16_bf16(a * c) + b * s;
 }
 
 /* fp32 keeps the scalar loop: GCC's vectors have no fused multiply-add to pin which product is fused. */

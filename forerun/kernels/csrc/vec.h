@@ -39,8 +39,8 @@ static inline void st_bf16(uint16_t *p, float v) {
 static inline v8f splat8(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 static inline v16f splat16(float v) { return (v16f){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
-/* loadN_f32/storeN_f32/loadN_bf16/storeN_bf16 and selectN for N-wide vectors; bf16 stores round to
- * nearest even, as torch does. */
+/* loadN_f32/storeN_f32/loadN_bf16/storeN_bf16, roundN_bf16 (to the nearest bf16 value, kept in
+ * fp32) and selectN for N-wide vectors; bf16 rounds to nearest even, as torch does. */
 #define VEC_LOAD_STORE(N, VF, VI, VU, VH)                                                           \
     static inline VF load##N##_f32(const float *p) {                                                \
         VF v;                                                                                       \
@@ -53,10 +53,13 @@ static inline v16f splat16(float v) { return (v16f){v, v, v, v, v, v, v, v, v, v
         memcpy(&h, p, sizeof h);                                                                    \
         return (VF)(__builtin_convertvector(h, VU) << 16);                                          \
     }                                                                                               \
+    static inline VU bf16_bits##N(VF v) {                                                           \
+        const VU u = (VU)v;                                                                         \
+        return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;                                               \
+    }                                                                                               \
+    static inline VF round##N##_bf16(VF v) { return (VF)(bf16_bits##N(v) << 16); }                 \
     static inline void store##N##_bf16(uint16_t *p, VF v) {                                         \
-        VU u = (VU)v;                                                                               \
-        u += 0x7FFF + ((u >> 16) & 1);                                                              \
-        VH h = __builtin_convertvector(u >> 16, VH);                                                \
+        VH h = __builtin_convertvector(bf16_bits##N(v), VH);                                        \
         memcpy(p, &h, sizeof h);                                                                    \
     }                                                                                               \
     static inline VF select##N(VI mask, VF a, VF b) { return (VF)((mask & (VI)a) | (~mask & (VI)b)); }
