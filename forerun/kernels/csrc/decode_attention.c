@@ -92,6 +92,17 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
             for (int j = 0; j < w; j++) STOREW(acc + ((h - h0) * G + g) * D + d0 + WIDTH * j, a[g][j]);  \
     } while (0)
 
+/* a[g] = the 8 lanes of q[g] . k over a head of 64 (qv: the queries in registers), lane l summing
+ * d = l mod 8 in increasing d. */
+#define QK64_DOT(LOAD8, k, a)                                                                            \
+    do {                                                                                                 \
+        for (int g = 0; g < G; g++) (a)[g] = splat8(0.f);                                                \
+        for (int j = 0; j < 8; j++) {                                                                    \
+            const v8f kv = LOAD8((k) + 8 * j);                                                           \
+            for (int g = 0; g < G; g++) (a)[g] += qv[g][j] * kv;                                         \
+        }                                                                                                \
+    } while (0)
+
 #define DEFINE_ATTENTION(SUFFIX, T, LOAD8, LOAD16, STORE)                                                        \
     /* scores[(h * G + g) * max_len + i] = q[h, g] . K[row i, head h] for heads h0..h1 (qf is pre-scaled): \
      * 8 lanes, lane l summing d = l mod 8 in increasing d, then hsum8. Head by head, so that at D = 64  \
@@ -105,15 +116,26 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
                 v8f qv[MAX_GROUP][8];                                                                    \
                 for (int g = 0; g < G; g++)                                                              \
                     for (int j = 0; j < 8; j++) qv[g][j] = load8_f32(qh + g * 64 + 8 * j);               \
-                for (int64_t i = 0; i < n; i++) {                                                        \
-                    if (i + PF < n) prefetch_row(K + rows[i + PF] + h * 64, 64 * (int64_t)sizeof(T));    \
-                    const T *k = K + rows[i] + h * 64;                                                   \
-                    v8f a[MAX_GROUP];                                                                    \
-                    for (int g = 0; g < G; g++) a[g] = splat8(0.f);                                      \
-                    for (int j = 0; j < 8; j++) {                                                        \
-                        const v8f kv = LOAD8(k + 8 * j);                                                 \
-                        for (int g = 0; g < G; g++) a[g] += qv[g][j] * kv;                               \
+                /* Eight positions at a time, their sums finished together (hsum8_pairs); the rest one \
+                 * by one. One thread, 768 positions: 29.0-29.1 against 30.1-30.6 us. */              \
+                int64_t i = 0;                                                                           \
+                for (; VEC_SHUFFLES && i + 8 <= n; i += 8) { /* without shuffles: one by one below */    \
+                    v8f pairs[MAX_GROUP][4];                                                             \
+                    for (int u = 0; u < 8; u += 2) {                                                     \
+                        v8f a[2][MAX_GROUP];                                                             \
+                        for (int e = 0; e < 2; e++) {                                                    \
+                            const int64_t at = i + u + e;                                                \
+                            if (at + PF < n) prefetch_row(K + rows[at + PF] + h * 64, 64 * (int64_t)sizeof(T)); \
+                            QK64_DOT(LOAD8, K + rows[at] + h * 64, a[e]);                                \
+                        }                                                                                \
+                        for (int g = 0; g < G; g++) pairs[g][u / 2] = hsum8_pair(a[0][g], a[1][g]);     \
                     }                                                                                    \
+                    for (int g = 0; g < G; g++) store8_f32(sh + g * max_len + i, hsum8_pairs(pairs[g])); \
+                }                                                                                        \
+                for (; i < n; i++) {                                                                     \
+                    if (i + PF < n) prefetch_row(K + rows[i + PF] + h * 64, 64 * (int64_t)sizeof(T));    \
+                    v8f a[MAX_GROUP];                                                                    \
+                    QK64_DOT(LOAD8, K + rows[i] + h * 64, a);                                            \
                     for (int g = 0; g < G; g++) sh[g * max_len + i] = hsum8(a[g]);                       \
                 }                                                                                        \
                 continue;                                                                                \

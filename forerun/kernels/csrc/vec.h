@@ -67,18 +67,63 @@ static inline v16f splat16(float v) { return (v16f){v, v, v, v, v, v, v, v, v, v
 VEC_LOAD_STORE(8, v8f, v8i, v8u, v8h)
 VEC_LOAD_STORE(16, v16f, v16i, v16u, v16h)
 
+/* Whether the compiler has __builtin_shufflevector (clang, GCC 12 on): the vector forms of the sums
+ * below need it; without it they add lane by lane, as slowly as hsum8 a vector. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define VEC_SHUFFLES 1
+#else
+#define VEC_SHUFFLES 0
+#endif
+
 /* The 8 lanes added as ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)). Spelled with shuffles where the
  * compiler has them: written lane by lane, GCC 12 took each lane out on its own and added them in a
  * chain of scalar adds, and the decode attention (one sum a position and query head) ran 10-14% slower
  * on one thread (Intel Xeon, context 192-768). Same adds, same order, so the same bits. */
 static inline float hsum8(v8f v) {
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#if VEC_SHUFFLES
     typedef float v4f_ __attribute__((vector_size(16)));
     const v4f_ s = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
     const v4f_ t = s + __builtin_shufflevector(s, s, 1, 0, 3, 2); /* s0 + s1, -, s2 + s3, - */
     return t[0] + t[2];
 #else
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+#endif
+}
+
+/* hsum8 of eight vectors at once, in two steps with the same adds in the same order: hsum8_pair(a, b)
+ * adds each vector's lane l and l + 4 (a's sums in lanes 0-3, b's in 4-7), and hsum8_pairs of four
+ * such pairs (of vectors 0-1, 2-3, 4-5, 6-7) finishes them: lane p is hsum8 of vector p. Why: one
+ * sum a position leaves most of a vector idle; eight share its shuffles. Callers use them only where
+ * VEC_SHUFFLES is 1: the lane-by-lane forms are there to compile everywhere. */
+static inline v8f hsum8_pair(v8f a, v8f b) {
+#if VEC_SHUFFLES
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+    return (v8f){a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7],
+                 b[0] + b[4], b[1] + b[5], b[2] + b[6], b[3] + b[7]};
+#endif
+}
+
+static inline v8f hsum8_pairs(const v8f s[4]) {
+#if VEC_SHUFFLES
+    /* [s0 s2 | s1 s3] sums (lanes 0-1, then 2-3, of each 4): t = [p0 q0 p2 q2 | p1 q1 p3 q3] */
+    const v8f t0 = __builtin_shufflevector(s[0], s[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+                   __builtin_shufflevector(s[0], s[1], 1, 3, 9, 11, 5, 7, 13, 15);
+    const v8f t1 = __builtin_shufflevector(s[2], s[3], 0, 2, 8, 10, 4, 6, 12, 14) +
+                   __builtin_shufflevector(s[2], s[3], 1, 3, 9, 11, 5, 7, 13, 15);
+    /* r = p + q: [r0 r2 r4 r6 | r1 r3 r5 r7], then in order */
+    const v8f r = __builtin_shufflevector(t0, t1, 0, 2, 8, 10, 4, 6, 12, 14) +
+                  __builtin_shufflevector(t0, t1, 1, 3, 9, 11, 5, 7, 13, 15);
+    return __builtin_shufflevector(r, r, 0, 4, 1, 5, 2, 6, 3, 7);
+#else
+    v8f out;
+    for (int p = 0; p < 8; p++) {
+        const v8f v = s[p / 2];
+        const int o = 4 * (p % 2);
+        out[p] = (v[o] + v[o + 1]) + (v[o + 2] + v[o + 3]);
+    }
+    return out;
 #endif
 }
 
