@@ -46,7 +46,8 @@
 #define MIN_PART 64
 /* Positions a part of a row's context covers in batch-invariant mode (until MAX_PARTS parts). */
 #define FIXED_PART 128
-/* Output columns pv keeps in registers per query head (G x PV_COLS / 8 vectors). */
+/* Output columns pv keeps in registers per query head (G x PV_COLS / 8 vectors); MAX_COLS where the
+ * head size is a multiple of 16 and a KV head has at most 4 query heads (G x MAX_COLS / 16 vectors). */
 #define PV_COLS 32
 #define MAX_COLS 64
 #define INLINE static inline __attribute__((always_inline))
@@ -103,7 +104,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
         }                                                                                                \
     } while (0)
 
-#define DEFINE_ATTENTION(SUFFIX, T, LOAD8, LOAD16, STORE)                                                        \
+#define DEFINE_ATTENTION(SUFFIX, T, LOAD8, LOAD16, STORE)                                                \
     /* scores[(h * G + g) * max_len + i] = q[h, g] . K[row i, head h] for heads h0..h1 (qf is pre-scaled): \
      * 8 lanes, lane l summing d = l mod 8 in increasing d, then hsum8. Head by head, so that at D = 64  \
      * a head's queries stay in registers over the rows. */                                          \
@@ -116,8 +117,8 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
                 v8f qv[MAX_GROUP][8];                                                                    \
                 for (int g = 0; g < G; g++)                                                              \
                     for (int j = 0; j < 8; j++) qv[g][j] = load8_f32(qh + g * 64 + 8 * j);               \
-                /* Eight positions at a time, their sums finished together (hsum8_pairs); the rest one \
-                 * by one. One thread, 768 positions: 29.0-29.1 against 30.1-30.6 us. */              \
+                /* Eight positions at a time, their sums finished together (hsum8_pairs); the rest one   \
+                 * by one. Intel Xeon, one thread, 768 positions: 29.0-29.1 against 30.1-30.6 us. */  \
                 int64_t i = 0;                                                                           \
                 for (; VEC_SHUFFLES && i + 8 <= n; i += 8) { /* without shuffles: one by one below */    \
                     v8f pairs[MAX_GROUP][4];                                                             \
@@ -128,7 +129,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
                             if (at + PF < n) prefetch_row(K + rows[at + PF] + h * 64, 64 * (int64_t)sizeof(T)); \
                             QK64_DOT(LOAD8, K + rows[at] + h * 64, a[e]);                                \
                         }                                                                                \
-                        for (int g = 0; g < G; g++) pairs[g][u / 2] = hsum8_pair(a[0][g], a[1][g]);     \
+                        for (int g = 0; g < G; g++) pairs[g][u / 2] = hsum8_pair(a[0][g], a[1][g]);      \
                     }                                                                                    \
                     for (int g = 0; g < G; g++) store8_f32(sh + g * max_len + i, hsum8_pairs(pairs[g])); \
                 }                                                                                        \
@@ -158,8 +159,8 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
      * columns at a time, every element of acc written. Where D allows, 16 lanes a vector (the same     \
      * multiply-adds, half the instructions on AVX-512) and, for up to 4 query heads a KV head, MAX_COLS \
      * columns at a time, so that enough accumulators are in flight to cover a multiply-add's latency   \
-     * (one thread, 768 positions, 3 query heads a KV head: 31.1-32.0 us against 32.6-32.7 at 32 columns \
-     * and 33.6-34.3 at 8 lanes). */                                                                   \
+     * (Intel Xeon, one thread, 768 positions, 3 query heads a KV head: 31.1-32.0 us against 32.6-32.7 \
+     * at 32 columns and 33.6-34.3 at 8 lanes). */                                                     \
     INLINE void pv_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,                \
                             const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,               \
                             float *acc) {                                                                \
@@ -168,7 +169,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
         for (int64_t h = h0; h < h1; h++)                                                                \
             for (int64_t d0 = 0; d0 < D; d0 += cols) {                                                   \
                 const float *sh = scores + (h - h0) * G * max_len;                                       \
-                if (wide) PV_COLUMNS(T, 16, v16f, splat16, LOAD16, store16_f32);                  \
+                if (wide) PV_COLUMNS(T, 16, v16f, splat16, LOAD16, store16_f32);                         \
                 else PV_COLUMNS(T, 8, v8f, splat8, LOAD8, store8_f32);                                   \
             }                                                                                            \
     }                                                                                                    \
@@ -187,7 +188,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
         const int64_t n = (start + chunk < len ? start + chunk : len) - start;                           \
         const T *qb = q + b * q_stride + h0 * G * D;                                                     \
         for (int64_t x = 0; x < heads * D; x += 8) store8_f32(&qf[x], LOAD8(qb + x) * scale);            \
-        /* Block by block: a division a position took a sixth of one thread's time at 768 positions. */    \
+        /* Block by block: a division a position took a sixth of one thread's time at 768 positions. */ \
         for (int64_t i = 0, p = start; i < n;) {                                                         \
             const int64_t off = p % BS, run = BS - off < n - i ? BS - off : n - i;                       \
             const int64_t first = (tables[b * table_stride + p / BS] * BS + off) * RW;                   \
