@@ -120,9 +120,13 @@ class AttentionMetadata:
         per_row = tables.shape[1]
         blocks = np.maximum(tables, 0).astype(np.int64).reshape(-1)  # padding is masked, never read
         lens = seq_lens.tolist()
-        return cls([1] * rows, lens, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
-                   block_size, rows, True, None, torch.from_numpy(blocks).to(device),
-                   torch.from_numpy(seq_lens).to(device), per_row * block_size, [])
+        host = device.type == "cpu"  # then the arrays' own memory: `.to` is a call that changes nothing
+
+        def put(a: np.ndarray) -> Tensor:
+            return torch.from_numpy(a) if host else torch.from_numpy(a).to(device)
+
+        return cls([1] * rows, lens, put(tables), put(slots), block_size, rows, True, None, put(blocks),
+                   put(seq_lens), per_row * block_size, [])
 
     def token_rows(self) -> "TokenRows":
         """Every token of the step as a decode row of its own (its context: its sequence's positions up

@@ -61,6 +61,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
+        self._on_host = device.type == "cpu"
         max_blocks = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
         self.sampler = Sampler()
@@ -68,6 +69,7 @@ class ModelRunner:
         self.spec_sampler = SpecSampler(self.sampler)
         self._step: _StepInFlight | None = None
         self._prev_sampled: Tensor | None = None
+        self._prev_values: list[int] = []  # `_prev_sampled` as host ints (read for the step's output anyway)
         self._prev_rows: dict[str, tuple[RowState, int]] = {}
 
     # ---- state updates -------------------------------------------------------------------------
@@ -124,7 +126,12 @@ class ModelRunner:
         kept = [states[i] for i in keep_idx]
         with_drafts = bool(drafts) and any(len(d) for d in drafts.values())
         row_drafts = [drafts.get(s.req_id, _NO_DRAFTS) for s in kept] if with_drafts else None
-        if keep_idx:
+        if len(keep_idx) == hidden.shape[0] and row_drafts is None:
+            # As many kept rows as positions: each row is one position, kept (a decode step). The rows
+            # as they are, without the index arithmetic below (about 80 us a step at one request,
+            # right after the forward has streamed the weights through the caches).
+            logits = self.model.compute_logits(hidden, float32=False)
+        elif keep_idx:
             ends = cu[1:][keep_idx]
             if row_drafts is None:
                 logits_idx = ends - 1
@@ -169,13 +176,14 @@ class ModelRunner:
 
     def _prepare(self, states: list[RowState], so: SchedulerOutput, drafts: dict[str, np.ndarray] | None = None):
         b = self.batch
-        n = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), np.int64, len(states))
+        # The rows' counts in one pass and one array, each field then a contiguous row of it: every numpy
+        # call costs microseconds here, just after the forward has streamed the weights through the caches.
+        counts = so.num_scheduled_tokens
+        n, start, known, rows = np.array([(counts[s.req_id], s.num_computed_tokens, s.num_tokens, s.row)
+                                          for s in states], np.int64).reshape(len(states), 4).T.copy()
         if drafts:  # a row with draft slots computes its last token plus the drafts actually proposed
             n = np.fromiter((1 + len(drafts[s.req_id]) if s.req_id in drafts else n[i]
                              for i, s in enumerate(states)), np.int64, len(states))
-        start = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
-        known = np.fromiter((s.num_tokens for s in states), np.int64, len(states))
-        rows = np.fromiter((s.row for s in states), np.int64, len(states))
         cu = np.zeros(len(states) + 1, np.int64)
         np.cumsum(n, out=cu[1:])
         total = int(cu[-1])
@@ -188,9 +196,9 @@ class ModelRunner:
         input_ids = torch.from_numpy(b.token_buf[tok_rows, positions])
         seq_lens = start + n
         keep_idx = np.nonzero(seq_lens >= known)[0]  # rows that sample a token the worker keeps
-        for i, s in enumerate(states):
-            s.num_computed_tokens = int(seq_lens[i])
-        input_ids = input_ids.to(self.device)
+        for s, length in zip(states, seq_lens.tolist()):
+            s.num_computed_tokens = length
+        input_ids = self._to_device(input_ids)
         self._scatter_pending(states, start, known, cu, input_ids)
         attn = None
         if self.kv_caches:  # encoder-only models keep no cache and need no block tables
@@ -203,7 +211,12 @@ class ModelRunner:
             else:
                 attn = AttentionMetadata.build(n.tolist(), seq_lens.tolist(), torch.from_numpy(tables).to(self.device),
                                                torch.from_numpy(slots).to(self.device), self.block_size)
-        return input_ids, torch.from_numpy(positions).to(self.device), attn, keep_idx.tolist(), cu
+        return input_ids, self._to_device(torch.from_numpy(positions)), attn, keep_idx.tolist(), cu
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        """`t` (a host tensor) on the model's device. On CPU `t` itself, without the torch call, which
+        costs up to ~20 us right after a forward (see _prepare)."""
+        return t if self._on_host else t.to(self.device)
 
     def _scatter_pending(self, states: list[RowState], start: np.ndarray, known: np.ndarray,
                          cu: np.ndarray, input_ids: Tensor) -> None:
@@ -220,7 +233,7 @@ class ModelRunner:
             return
         dst = (cu[:-1] + known - 1 - start)[rows]  # each such row's last known token, in the flat step
         assert self._prev_sampled is not None
-        if input_ids.device.type == "cpu":
+        if self._on_host:
             # On the host, numpy's indexing. Why: arithmetic on numpy scalars per row and three torch
             # calls made input preparation about a quarter slower (a tiny model's step of ~200 rows,
             # sync mode: 580-650 against 760-810 us), and each torch call gives the GIL up.
@@ -232,7 +245,7 @@ class ModelRunner:
         """Write the previous step's sampled ids into host state (token buffer, output ids)."""
         if self._prev_sampled is None:
             return
-        values = self._prev_sampled.tolist()
+        values = self._prev_values
         for rid, (state, i) in self._prev_rows.items():
             if self.batch.states.get(rid) is state and state.last_pending:
                 tok = values[i]
@@ -270,7 +283,9 @@ class ModelRunner:
         if not structured and all(s.plain_greedy for s in kept):
             # What the sampler gives such rows, without building its per-row inputs: they cost about a
             # third of a step's sampling at one request and a tenth to a fifth at ~200 rows.
-            ids = None if self.native is None else self.native.argmax_rows(step.logits)
+            ids = self.model.greedy_ids(step.logits)  # the fused decode step's, where it gave them
+            if ids is None and self.native is not None:
+                ids = self.native.argmax_rows(step.logits)
             out = SamplerOutput(argmax_rows(step.logits.float()) if ids is None else ids)
         else:
             meta = build_sampling_metadata(self.batch, kept, self.vocab_size, self.device)
@@ -283,8 +298,9 @@ class ModelRunner:
             s.num_tokens += 1
             s.last_pending = True
         self._prev_sampled = out.sampled_token_ids
+        self._prev_values = out.sampled_token_ids.tolist()
         self._prev_rows = {s.req_id: (s, i) for i, s in enumerate(kept)}
-        result = self._to_output(step.req_ids, kept, out)
+        result = self._to_output(step.req_ids, kept, out, self._prev_values)
         result.num_drafted = step.num_drafted
         timing.spans.append(("sample", t0, time.perf_counter()))
         result.timing = timing
@@ -329,8 +345,8 @@ class ModelRunner:
                                           for lp, ids in zip(v.logprobs[i], v.logprob_ids[i])]
         return ModelRunnerOutput(step.req_ids, tokens, logprobs=logprobs, num_drafted=step.num_drafted)
 
-    def _to_output(self, req_ids: list[str], kept: list[RowState], out) -> ModelRunnerOutput:
-        sampled = out.sampled_token_ids.tolist()
+    def _to_output(self, req_ids: list[str], kept: list[RowState], out, sampled: list[int]) -> ModelRunnerOutput:
+        """`sampled`: out.sampled_token_ids as a list."""
         by_req = {s.req_id: i for i, s in enumerate(kept)}
         tokens = [[sampled[by_req[r]]] if r in by_req else [] for r in req_ids]
         logprobs = None
