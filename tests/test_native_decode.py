@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_factory import write_mixed_llama_gguf
 
 from forerun import LLM, SamplingParams
 from forerun.config import EngineConfig
 from forerun.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from forerun.kernels.decode import GREEDY_MAX_ROWS
 from tests.conftest import save_tiny_model
 
 # Prompt lengths around the 16-token block; max_tokens differ so the batch shrinks from 6 rows
@@ -131,6 +133,26 @@ def test_whole_step_hands_over_its_logits_and_refuses_bad_ids(tmp_path):
         far[0] = model.model.rotary.table.shape[0]
         with pytest.raises(ValueError, match="positions"):
             step(ids, far, caches, meta)
+
+
+def test_whole_step_gives_greedy_sampling_the_argmax_of_its_logits(tmp_path):
+    # Steps of up to GREEDY_MAX_ROWS rows also compute each row's argmax while the logits are in cache,
+    # and greedy sampling takes those ids; larger steps leave the argmax to the sampler.
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
+    prompts = [[5 + i, 6, 7] for i in range(GREEDY_MAX_ROWS + 2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    with LLM(model=str(path), dtype="float32", gemv_max_rows=16, show_progress=False) as llm:
+        model = llm.engine.core.executor.worker.model
+        seen: list = []
+        greedy_ids = model.greedy_ids
+        model.greedy_ids = lambda logits: (lambda ids: seen.append((logits.clone(), ids)) or ids)(greedy_ids(logits))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    small = [(logits, ids) for logits, ids in seen if logits.shape[0] <= GREEDY_MAX_ROWS]
+    large = [ids for logits, ids in seen if logits.shape[0] > GREEDY_MAX_ROWS]
+    assert len(small) >= 10 and len(large) >= 2  # the batch shrank from 10 rows to 1
+    assert all(ids is not None and torch.equal(ids, logits.argmax(-1)) for logits, ids in small)
+    assert large == [None] * len(large)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
 
 
 def test_int8_activations_change_results_within_their_rounding(tmp_path):

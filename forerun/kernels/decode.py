@@ -27,6 +27,7 @@ import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,6 +42,11 @@ from forerun.kernels.ops import PARALLEL_MIN_ELEMENTS
 from forerun.kernels.types import DecodeBatch
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# Steps of up to this many rows also give greedy sampling its ids (`greedy_of`): a row's argmax
+# costs microseconds in the step, while the logits are in cache, against ~100 us for the sampler's
+# own call just after (one request, Intel Xeon: the call's code and the logits had gone cold). Rows
+# that do not sample greedily waste it, so larger steps leave it to the sampler.
+GREEDY_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ class _Batch(ctypes.Structure):
 class _Ends(ctypes.Structure):
     _fields_ = [("ids", _PTR), ("positions", _PTR), ("embed", _PTR), ("embed_fmt", _I64), ("embed_rows", _I64),
                 ("embed_row_bytes", _I64), ("rotary", _PTR), ("rotary_rows", _I64), ("final_norm", _PTR),
-                ("head", _PTR), ("head_n", _I64)]
+                ("head", _PTR), ("head_n", _I64), ("greedy", _PTR)]
 
 
 TABLE_F32, TABLE_BF16 = -1, -2  # decode_layers.c: an embedding of plain fp32 or bf16 rows
@@ -202,7 +208,8 @@ class DecodeLayers:
         self.ends = ends if ends is not None and ends.supported() and kv_dtype == torch.float32 else None
         self._ends = None if self.ends is None else _ends(self.ends)
         self._head = None if self.ends is None or self.ends.head is None else _matmul(self.ends.head)
-        self._last: tuple[Tensor, Tensor] | None = None  # the last step's (hidden states, logits)
+        self._last: tuple[Tensor, Tensor, Tensor | None] | None = None  # the last step's (hidden, logits, ids)
+        self._greedy: tuple[Tensor, Tensor] | None = None  # logits handed over by logits_of, and their argmax
 
     @staticmethod
     def shape_supported(dims: DecodeDims) -> bool:
@@ -262,7 +269,9 @@ class DecodeLayers:
         ends.head, ends.head_n = (ctypes.addressof(self._head), self.ends.head.n) if head else (None, 0)
         out, logits = torch.empty(rows, self.hidden), torch.empty(rows, ends.head_n)
         hidden, residual = torch.empty(rows, self.hidden), torch.empty(rows, self.hidden)
-        self._last = None
+        greedy = np.empty(rows, np.int64) if head and rows <= GREEDY_MAX_ROWS else None
+        ends.greedy = None if greedy is None else greedy.ctypes.data
+        self._last, self._greedy = None, None
         with profiled("forerun::decode_step"):
             failed = self._step_fn(self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(batch),
                                    ctypes.byref(ends), out.data_ptr(), logits.data_ptr(), hidden.data_ptr(),
@@ -273,14 +282,24 @@ class DecodeLayers:
             raise ValueError(f"positions: a position at or past the rotary table's {ends.rotary_rows}")
         if failed:
             raise RuntimeError(f"decode step: the C kernels failed (code {failed})")
-        self._last = (out, logits) if head else None
+        self._last = (out, logits, None if greedy is None else torch.from_numpy(greedy)) if head else None
         return out
 
     def logits_of(self, hidden: Tensor) -> Tensor | None:
         """The LM head's logits of `hidden` when it is the last `step`'s output (that call computed
         them; this hands them over once), else None."""
         last, self._last = self._last, None
-        return last[1] if last is not None and last[0] is hidden else None
+        if last is None or last[0] is not hidden:
+            return None
+        self._greedy = None if last[2] is None else (last[1], last[2])
+        return last[1]
+
+    def greedy_of(self, logits: Tensor) -> Tensor | None:
+        """Each row's argmax (int64 [rows], as torch.argmax gives it) of `logits` when they are the
+        last logits `logits_of` handed over and the step computed it (at most GREEDY_MAX_ROWS rows);
+        handed over once, else None."""
+        greedy, self._greedy = self._greedy, None
+        return greedy[1] if greedy is not None and greedy[0] is logits else None
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
                  meta: DecodeBatch) -> tuple[Tensor, Tensor]:

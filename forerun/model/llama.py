@@ -328,6 +328,11 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         return logits.float() if float32 else logits
 
+    def greedy_ids(self, logits: Tensor) -> Tensor | None:
+        """Each row's argmax of `logits` (int64 [rows], as torch.argmax gives it) where the fused step
+        that computed them computed it too (once per step), else None."""
+        return None if self.decode_layers is None else self.decode_layers.greedy_of(logits)
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor | CompactWeight]]) -> None:
         """Load HF-named tensors: q/k/v and gate/up are packed, tensor-parallel shards are cut here. A
         GGUF file's quantized matrices (CompactWeight) stay blocks, each module deciding how to hold them.

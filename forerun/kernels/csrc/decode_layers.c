@@ -38,6 +38,7 @@ int gemv_q8_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fm
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *res_out,
                       int64_t rows, int64_t hidden, float eps, int nthreads);
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter, int nthreads);
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int nthreads);
 void rotary_f32(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t cos_sin_stride,
                 float *out, int64_t tokens, int64_t heads, int64_t D, int nthreads);
 int decode_attention_f32(const float *q, int64_t q_stride, const float *cache, const int64_t *tables,
@@ -107,6 +108,7 @@ typedef struct {
     const float *final_norm;
     const matmul_t *head; /* the LM head [head_n, hidden], or NULL: no logits */
     int64_t head_n;
+    int64_t *greedy; /* [rows]: each row's argmax of the logits (as argmax_rows_f32 gives it), or NULL */
 } ends_t;
 
 /* Threads for an element-wise pass: all of them only from the size forerun.kernels.ops uses. */
@@ -240,9 +242,9 @@ static int embed_rows(const ends_t *e, int64_t rows, int64_t hidden_size, float 
 }
 
 /* out [rows, hidden]: the final-norm hidden states of a decode step from its token ids and positions
- * (the file's comment), and logits [rows, e->head_n] where e->head is set; hidden and residual
- * [rows, hidden] are scratch. b's cos, sin and cos_sin_stride are ignored: the factors are gathered
- * from e->rotary. Returns 0, 1 when memory runs out, 3 for an id outside the embedding, 4 for an
+ * (the file's comment), and logits [rows, e->head_n] where e->head is set, with each row's argmax in
+ * e->greedy where that is set too; hidden and residual [rows, hidden] are scratch. b's cos, sin and
+ * cos_sin_stride are ignored: the factors are gathered from e->rotary. Returns 0, 1 when memory runs out, 3 for an id outside the embedding, 4 for an
  * embedding format not read here, 5 for a position outside the rotary table, or decode_layers' code. */
 int decode_step_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, const ends_t *e,
                     float *out, float *logits, float *hidden, float *residual, int nthreads) {
@@ -263,6 +265,9 @@ int decode_step_f32(const layer_t *layers, int64_t num_layers, const shape_t *s,
     add_rms_norm_f32(hidden, residual, e->final_norm, out, residual, R, s->hidden, s->eps,
                      threads_for(s, R * s->hidden, nthreads));
     if (e->head) matmul(e->head, out, logits, R, s->hidden, e->head_n, nthreads);
+    /* Greedy sampling's ids while the logits are in cache: the same argmax the sampler would call a
+     * moment later, when its code and the logits have gone cold (forerun.kernels.decode). */
+    if (e->head && e->greedy) argmax_rows_f32(logits, R, e->head_n, e->greedy, nthreads);
     return 0;
 }
 
