@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from forerun.config import EngineConfig
+from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput
 from forerun.executor.base import Executor
 from forerun.platform import lower_model_thread_priority
 from forerun.worker.extension import with_extension
@@ -35,6 +36,15 @@ class UniExecutor(Executor):
         if self._pool is None:
             raise RuntimeError("executor is shut down")
         fut = self._pool.submit(lambda: [getattr(self.worker, method)(*args, **(kwargs or {}))])
+        return fut if non_block else fut.result()
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | Future:
+        """The one worker's result itself: no list of ranks, and no second Future picking from it (a
+        step's sampling is waited on every step, and each Future and callback costs its lock calls)."""
+        if self._pool is None:
+            raise RuntimeError("executor is shut down")
+        fut = self._pool.submit(self.worker.sample_tokens, grammar_output)
         return fut if non_block else fut.result()
 
     def shutdown(self) -> None:
