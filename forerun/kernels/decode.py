@@ -27,7 +27,6 @@ import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -201,9 +200,14 @@ class DecodeLayers:
             slot.post_norm = post_norm.data_ptr()
             slot.window = layer.window or 0
         # The engine allocates the caches once: their pointers and shape are written on first use and
-        # again only if they change.
-        self._caches: list[int] = []
+        # again only for other cache tensors. Why by identity: reading 30 layers' pointers and checking
+        # each step's caches cost ~100 us a step at one request, where the step's host work runs cold.
+        self._caches: list[Tensor] = []
+        self._caches_ok = False  # the caches are of this step's dtype and contiguous
         self._shape = _Shape()
+        # The whole step's scratch (hidden and residual, [max_rows, hidden] each), allocated at its first use.
+        self._scratch: Tensor | None = None
+        self._scratch_at = (0, 0)  # its two halves' addresses
         # The whole step from token ids (fp32 engines whose embedding table the C step reads).
         self.ends = ends if ends is not None and ends.supported() and kv_dtype == torch.float32 else None
         self._ends = None if self.ends is None else _ends(self.ends)
@@ -218,9 +222,22 @@ class DecodeLayers:
 
     def _takes(self, rows: int, kv_caches: list[Tensor], meta: DecodeBatch) -> bool:
         """The conditions on the batch and the caches that both entries share."""
-        first = kv_caches[0]
-        return (meta.all_decode and rows <= self.max_rows and first.dtype == self.dtype and first.is_contiguous()
+        return (meta.all_decode and rows <= self.max_rows and self._use_caches(kv_caches)
                 and meta.decode_blocks is not None and meta.slot_mapping.is_contiguous())
+
+    def _use_caches(self, kv_caches: list[Tensor]) -> bool:
+        """Whether the C path takes these caches (this dtype, contiguous); their pointers and shape are
+        written into the layers whenever other cache tensors come."""
+        if len(kv_caches) != len(self._caches) or any(a is not b for a, b in zip(kv_caches, self._caches)):
+            first = kv_caches[0]
+            self._caches_ok = all(c.dtype == self.dtype and c.is_contiguous() for c in kv_caches)
+            _, num_blocks, block_size, _, _ = first.shape
+            for slot, cache in zip(self._layers, kv_caches):
+                slot.kv_cache = cache.data_ptr()
+            self._caches = list(kv_caches)
+            self._shape = _Shape(self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim, num_blocks,
+                                 block_size, self.eps, self.scale, PARALLEL_MIN_ELEMENTS, int(self.split))
+        return self._caches_ok
 
     def accepts(self, hidden: Tensor, cos: Tensor, sin: Tensor, kv_caches: list[Tensor],
                 meta: DecodeBatch) -> bool:
@@ -241,14 +258,8 @@ class DecodeLayers:
     def _batch(self, rows: int, kv_caches: list[Tensor], meta: DecodeBatch, cos: Tensor | None = None,
                sin: Tensor | None = None) -> _Batch:
         """The C view of this step's batch (cache pointers and shape refreshed when they changed)."""
-        caches = [c.data_ptr() for c in kv_caches]
-        _, num_blocks, block_size, _, _ = kv_caches[0].shape
-        if caches != self._caches or num_blocks != self._shape.num_blocks:
-            for slot, ptr in zip(self._layers, caches):
-                slot.kv_cache = ptr
-            self._caches = caches
-            self._shape = _Shape(self.hidden, self.inter, self.heads, self.kv_heads, self.head_dim, num_blocks,
-                                 block_size, self.eps, self.scale, PARALLEL_MIN_ELEMENTS, int(self.split))
+        self._use_caches(kv_caches)
+        block_size = self._shape.block_size
         assert meta.decode_blocks is not None and meta.decode_seq_lens is not None
         return _Batch(rows, 0 if cos is None else cos.data_ptr(), 0 if sin is None else sin.data_ptr(),
                       0 if cos is None else cos.stride(0), meta.slot_mapping.data_ptr(),
@@ -268,21 +279,24 @@ class DecodeLayers:
         head = self._head is not None and rows <= self.ends.head_rows
         ends.head, ends.head_n = (ctypes.addressof(self._head), self.ends.head.n) if head else (None, 0)
         out, logits = torch.empty(rows, self.hidden), torch.empty(rows, ends.head_n)
-        hidden, residual = torch.empty(rows, self.hidden), torch.empty(rows, self.hidden)
-        greedy = np.empty(rows, np.int64) if head and rows <= GREEDY_MAX_ROWS else None
-        ends.greedy = None if greedy is None else greedy.ctypes.data
+        if self._scratch is None:
+            self._scratch = torch.empty(2, self.max_rows, self.hidden)
+            self._scratch_at = (self._scratch[0].data_ptr(), self._scratch[1].data_ptr())
+        hidden, residual = self._scratch_at
+        greedy = torch.empty(rows, dtype=torch.int64) if head and rows <= GREEDY_MAX_ROWS else None
+        ends.greedy = None if greedy is None else greedy.data_ptr()
         self._last, self._greedy = None, None
         with profiled("forerun::decode_step"):
             failed = self._step_fn(self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(batch),
-                                   ctypes.byref(ends), out.data_ptr(), logits.data_ptr(), hidden.data_ptr(),
-                                   residual.data_ptr(), torch.get_num_threads())
+                                   ctypes.byref(ends), out.data_ptr(), logits.data_ptr(), hidden, residual,
+                                   torch.get_num_threads())
         if failed == 3:
             raise ValueError(f"input_ids: a token id outside the vocabulary of {ends.embed_rows}")
         if failed == 5:
             raise ValueError(f"positions: a position at or past the rotary table's {ends.rotary_rows}")
         if failed:
             raise RuntimeError(f"decode step: the C kernels failed (code {failed})")
-        self._last = (out, logits, None if greedy is None else torch.from_numpy(greedy)) if head else None
+        self._last = (out, logits, greedy) if head else None
         return out
 
     def logits_of(self, hidden: Tensor) -> Tensor | None:
