@@ -42,7 +42,7 @@ from forerun.kernels.types import DecodeBatch
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # Steps of up to this many rows also give greedy sampling its ids (`greedy_of`): a row's argmax
-# costs microseconds in the step, while the logits are in cache, against ~100 us for the sampler's
+# costs microseconds in the step, while the logits are in cache, against 80-100 us for the sampler's
 # own call just after (one request, Intel Xeon: the call's code and the logits had gone cold). Rows
 # that do not sample greedily waste it, so larger steps leave it to the sampler.
 GREEDY_MAX_ROWS = 8
@@ -202,6 +202,7 @@ class DecodeLayers:
         # The engine allocates the caches once: their pointers and shape are written on first use and
         # again only for other cache tensors. Why by identity: reading 30 layers' pointers and checking
         # each step's caches cost ~100 us a step at one request, where the step's host work runs cold.
+        # Holding the tensors (not their ids, which a new tensor may reuse) keeps the match sound.
         self._caches: list[Tensor] = []
         self._caches_ok = False  # the caches are of this step's dtype and contiguous
         self._shape = _Shape()

@@ -244,8 +244,9 @@ static int embed_rows(const ends_t *e, int64_t rows, int64_t hidden_size, float 
 /* out [rows, hidden]: the final-norm hidden states of a decode step from its token ids and positions
  * (the file's comment), and logits [rows, e->head_n] where e->head is set, with each row's argmax in
  * e->greedy where that is set too; hidden and residual [rows, hidden] are scratch. b's cos, sin and
- * cos_sin_stride are ignored: the factors are gathered from e->rotary. Returns 0, 1 when memory runs out, 3 for an id outside the embedding, 4 for an
- * embedding format not read here, 5 for a position outside the rotary table, or decode_layers' code. */
+ * cos_sin_stride are ignored: the factors are gathered from e->rotary. Returns 0, 1 when memory runs
+ * out, 3 for an id outside the embedding, 4 for an embedding format not read here, 5 for a position
+ * outside the rotary table, or decode_layers' code. */
 int decode_step_f32(const layer_t *layers, int64_t num_layers, const shape_t *s, const batch_t *b, const ends_t *e,
                     float *out, float *logits, float *hidden, float *residual, int nthreads) {
     const int64_t R = b->rows, D = s->head_dim;
