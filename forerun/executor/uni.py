@@ -33,18 +33,20 @@ class UniExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        non_block: bool = False) -> list[Any] | Future:
+        fut = self._submit(lambda: [getattr(self.worker, method)(*args, **(kwargs or {}))])
+        return fut if non_block else fut.result()
+
+    def _submit(self, fn: Any, *args: Any) -> Future:
+        """`fn(*args)` on the worker thread."""
         if self._pool is None:
             raise RuntimeError("executor is shut down")
-        fut = self._pool.submit(lambda: [getattr(self.worker, method)(*args, **(kwargs or {}))])
-        return fut if non_block else fut.result()
+        return self._pool.submit(fn, *args)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None,
                       non_block: bool = False) -> ModelRunnerOutput | Future:
         """The one worker's result itself: no list of ranks, and no second Future picking from it (a
         step's sampling is waited on every step, and each Future and callback costs its lock calls)."""
-        if self._pool is None:
-            raise RuntimeError("executor is shut down")
-        fut = self._pool.submit(self.worker.sample_tokens, grammar_output)
+        fut = self._submit(self.worker.sample_tokens, grammar_output)
         return fut if non_block else fut.result()
 
     def shutdown(self) -> None:

@@ -126,23 +126,23 @@ class ModelRunner:
         kept = [states[i] for i in keep_idx]
         with_drafts = bool(drafts) and any(len(d) for d in drafts.values())
         row_drafts = [drafts.get(s.req_id, _NO_DRAFTS) for s in kept] if with_drafts else None
-        if len(keep_idx) == hidden.shape[0] and row_drafts is None:
-            # As many kept rows as positions: each row is one position, kept (a decode step). The rows
-            # as they are, without the index arithmetic below (about 80 us a step at one request,
-            # right after the forward has streamed the weights through the caches).
-            logits = self.model.compute_logits(hidden, float32=False)
-        elif keep_idx:
-            ends = cu[1:][keep_idx]
-            if row_drafts is None:
-                logits_idx = ends - 1
+        if keep_idx:
+            if row_drafts is None and len(keep_idx) == hidden.shape[0]:
+                # Every position kept, one a row (a decode step): the rows as they are, which a fused
+                # step's logits are already computed for (forerun.kernels.decode), without the index
+                # arithmetic below (about 80 us a step at one request, run cold after the forward).
+                rows = hidden
             else:
-                counts = np.fromiter((1 + len(d) for d in row_drafts), np.int64, len(kept))
-                first = np.repeat(ends - counts, counts)
-                logits_idx = first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            # Every row's own position (a decode step): the rows as they are, which a fused step's
-            # logits are already computed for (forerun.kernels.decode).
-            every = len(logits_idx) == hidden.shape[0]  # distinct increasing positions: then 0 .. n-1
-            rows = hidden if every else hidden[torch.from_numpy(logits_idx).to(self.device)]
+                ends = cu[1:][keep_idx]
+                if row_drafts is None:
+                    logits_idx = ends - 1
+                else:
+                    counts = np.fromiter((1 + len(d) for d in row_drafts), np.int64, len(kept))
+                    first = np.repeat(ends - counts, counts)
+                    logits_idx = (first + np.arange(int(counts.sum()))
+                                  - np.repeat(np.cumsum(counts) - counts, counts))
+                every = len(logits_idx) == hidden.shape[0]  # distinct increasing positions: then 0 .. n-1
+                rows = hidden if every else hidden[torch.from_numpy(logits_idx).to(self.device)]
             # In the LM head's dtype: greedy rows read bf16 logits without a float32 copy (0.6 ms of a
             # 64-row step); the sampler makes its own float32 copy.
             logits = self.model.compute_logits(rows, float32=False)
