@@ -28,6 +28,11 @@ def return_free_heap() -> None:
     the arena, `forerun serve` on SmolLM2 Q4_1 held 46 MB more resident without this; in the server's
     front end, the Rust tokenizer's parse of tokenizer.json left 17 MB free but resident."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim alone: the free pages of blocks already dropped, without a collection."""
     c = libc()
     if hasattr(c, "malloc_trim"):
         c.malloc_trim(0)

@@ -168,3 +168,17 @@ def test_unsupported_type_is_one_line_naming_tensor_and_type(tmp_path: Path) -> 
     assert not (tmp_path / "out" / "model.safetensors").exists()
     with pytest.raises(ValueError, match=r"^gguf: unsupported quant type IQ2_XXS in tensor blk\.0\.ffn_up\.weight; "):
         next(iter_gguf_weights(path, {"model_type": "llama"}))  # the loader names it too
+
+
+def test_a_truncated_file_names_the_tensor_it_cannot_read(tmp_path: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", random_blocks(Q.Q8_0, 4, 64, np.random.default_rng(0)), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 64)  # past the padding after the data
+    with pytest.raises(ValueError, match=r"^gguf: tensor blk\.0\.ffn_up\.weight runs past the end of the file"):
+        next(iter_gguf_weights(path, {"model_type": "llama"}))

@@ -86,6 +86,29 @@ def test_a_gguf_model_holds_each_block_matrix_once_in_one_arena(tmp_path: Path) 
     assert max(p + w.data.numel() for p, w in held.items()) - start < file_bytes + 64 * len(held)
 
 
+def test_the_move_hands_back_the_originals_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading peaks at the move's end unless the originals' memory goes back during it: each call of
+    `release` must come with the originals copied so far already dropped."""
+    import weakref
+
+    import forerun.model.layers as layers
+    import forerun.model.registry as registry
+
+    path = _model_gguf(tmp_path)
+    describe_gguf(path, tmp_path / "model")
+    sources: list[weakref.ref] = []
+    alive_at_release: list[int] = []
+    copy = HugePageArena.copy
+    monkeypatch.setattr(HugePageArena, "copy", lambda self, t: (sources.append(weakref.ref(t)), copy(self, t))[1])
+    monkeypatch.setattr(layers, "RELEASE_EVERY", 1)  # after every holder
+    monkeypatch.setattr(registry, "trim_heap", lambda: alive_at_release.append(sum(r() is not None for r in sources)))
+    load_model(tmp_path / "model", torch.float32, torch.device("cpu"))
+    assert len(alive_at_release) >= len(sources) - 1 >= 4, "released as the blocks move, not once at the end"
+    # At most one original copied so far is still alive at a release: the tied embedding table, which
+    # the LM head holds too until the move reaches it.
+    assert max(alive_at_release) <= 1 and sum(r() is not None for r in sources) == 0
+
+
 # In a fresh interpreter, so that malloc's thresholds start at glibc's defaults. A worker thread first
 # frees one large block (as loading does; glibc then raises its thresholds), then frees 48 MiB of
 # pieces (as the weights' first copies are freed after their move to huge pages); a 20 MiB block is

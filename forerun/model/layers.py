@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -331,11 +331,17 @@ def _merge(parts: list[CompactWeight]) -> list[CompactWeight]:
     return merged
 
 
-def place_blocks_on_huge_pages(model: nn.Module) -> int:
+RELEASE_EVERY = 64 << 20  # bytes of blocks moved between two calls of `release`
+
+
+def place_blocks_on_huge_pages(model: nn.Module, release: Callable[[], None] = lambda: None) -> int:
     """Move every GGUF block matrix `model` holds (linear layers' blocks, embedding tables) into one
     memory map of huge pages (forerun.kernels.huge_pages: the decode GEMVs stream them faster), each
-    original dropped as soon as it is copied; returns the bytes moved. Call before the kernels are
-    built, since they keep pointers to the blocks."""
+    original dropped as soon as it is copied; returns the bytes moved. `release` is called after every
+    RELEASE_EVERY bytes moved, to hand the dropped originals' memory back (they sit in malloc's heap
+    until trimmed): without it the model's blocks were resident twice at the end of the move (1B-shape
+    Q4_K_M: a peak of 1,585 MB against 950 once loaded). Call before the kernels are built, since they
+    keep pointers to the blocks."""
     holders = [m for m in model.modules() if isinstance(m, (PackableLinear, VocabParallelEmbedding))]
     sizes: dict[int, int] = {}
     for m in holders:
@@ -351,11 +357,16 @@ def place_blocks_on_huge_pages(model: nn.Module) -> int:
             moved[id(w)] = CompactWeight(w.fmt, arena.copy(w.data), w.k)
         return moved[id(w)]
 
+    unreleased = 0
     for m in holders:
+        unreleased += sum(sizes[id(w)] for w in _held_blocks(m))
         if isinstance(m, PackableLinear) and m.blocks:
             m.blocks = [move(w) for w in m.blocks]
         if isinstance(m, VocabParallelEmbedding) and m.table is not None:
             m.table = move(m.table)
+        if unreleased >= RELEASE_EVERY:
+            release()
+            unreleased = 0
     return sum(sizes.values())
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from forerun.kernels.compact_weights import CompactWeight
-from forerun.heap import return_free_heap
+from forerun.heap import return_free_heap, trim_heap
 from forerun.loader.weights import is_gguf_folder, iter_model_weights
 from forerun.model.attention import AttentionBackend, AttentionMetadata
 from forerun.model.dummy import init_dummy_weights
@@ -101,7 +101,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
         # Loaded first, converted after: the matrices that stay blocks then never take dense memory.
         model.load_weights(weights)
         model.to(dtype)
-        if device.type == "cpu" and place_blocks_on_huge_pages(model):
+        if device.type == "cpu" and place_blocks_on_huge_pages(model, release=trim_heap):
             return_free_heap()  # the blocks' first copies
     else:
         model.to(dtype)
