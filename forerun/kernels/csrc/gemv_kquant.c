@@ -64,46 +64,52 @@ static void gemv_scalar(int fmt, const float *x, const uint8_t *w, int64_t strid
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* Each row's bytes PREFETCH_AHEAD on; past the row's end, as far on in the rows of the groups that
- * follow (this thread takes them next: its groups are contiguous under the static schedule; a
- * prefetch never faults). Without it the GEMV waits on its first loads of every block. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *const wr[GROUP], int64_t blk, int bs,
-                                                                 int bw, int64_t k, int64_t stride) {
+/* Each row's bytes PREFETCH_AHEAD on; past the row's end, as far on in the rows `next` bytes further
+ * (those this thread reads next: the group's other rows, or the next group's, its groups being
+ * contiguous under the static schedule; a prefetch never faults). Without it the GEMV waits on its
+ * first loads of every block. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *const wr[], int rows, int64_t blk,
+                                                                 int bs, int bw, int64_t k, int64_t next) {
     const int64_t t = blk * bs + PREFETCH_AHEAD, row = k / bw * bs;
-    const int64_t at = t < row ? t : GROUP * stride + t - row;
-    for (int c = 0; c < GROUP; c++)
+    const int64_t at = t < row ? t : next + t - row;
+    for (int c = 0; c < rows; c++)
         for (int o = 0; o < (bs + 63) / 64; o++) _mm_prefetch((const char *)wr[c] + at + 64 * o, _MM_HINT_T0);
 }
 
-/* One group of 4 weight rows against RB rows of x (AVX2: 16 lanes = two registers). */
+/* One group of 4 weight rows against RB rows of x (AVX2: 16 lanes = two registers), in two passes of
+ * 2 weight rows. Why passes: AVX2 has 16 vector registers. All 4 rows at once kept 8 (one row of x)
+ * or 16 (two) accumulators beside each row's broadcast maps, and the compiler spilled accumulators,
+ * storing and reloading one with every few multiply-adds; 2 rows a pass fit (SmolLM2's Q4_1 matmuls
+ * in cache: one row of x 9.2-9.3 against 7.5-8.7 GB/s, two rows 8.0 against 4.7-7.0; one request
+ * on SmolLM2 Q4_1 decoded at 90-94 against 82-86 tok/s; AMD EPYC with AVX2 only, 2 threads). One
+ * weight row a pass was no faster. The order of each output's sums is unchanged. */
 static inline __attribute__((always_inline)) void tile_avx2(int fmt, int RB, const float *const xr[], int64_t k,
                                                             const uint8_t *const wr[GROUP], float out[][GROUP],
                                                             int64_t stride) {
-    const int bw = block_weights(fmt), bs = block_bytes(fmt);
-    __m256 acc[4][GROUP][2];
-    for (int r = 0; r < RB; r++)
-        for (int c = 0; c < GROUP; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < k / bw; blk++) {
-        float a[GROUP][16], b[GROUP][16];
-        prefetch_ahead(wr, blk, bs, bw, k, stride);
-        for (int c = 0; c < GROUP; c++) block_maps_avx2(fmt, wr[c] + blk * bs, a[c], b[c]);
-for (int v4 = 0; v4 < bw / 16; v4 += 4)
-        for (int v = v4; v < v4 + (bw < 64 ? bw / 16 : 4); v++) { /* 4 runs unrolled */
-            __m256 wv[GROUP][2];
-            for (int c = 0; c < GROUP; c++)
-                weights16_avx2(fmt, wr[c] + blk * bs, v, a[c][map_of(fmt, v)], b[c][map_of(fmt, v)], wv[c]);
-            for (int r = 0; r < RB; r++) {
-                const float *xp = xr[r] + blk * bw + 16 * v;
-                const __m256 x0 = _mm256_loadu_ps(xp), x1 = _mm256_loadu_ps(xp + 8);
-                for (int c = 0; c < GROUP; c++) {
-                    acc[r][c][0] = _mm256_fmadd_ps(wv[c][0], x0, acc[r][c][0]);
-                    acc[r][c][1] = _mm256_fmadd_ps(wv[c][1], x1, acc[r][c][1]);
+    const int bw = block_weights(fmt), bs = block_bytes(fmt), CB = GROUP / 2;
+    for (int c0 = 0; c0 < GROUP; c0 += CB) {
+        const uint8_t *const *w = wr + c0;
+        __m256 acc[2][GROUP][2];
+        for (int r = 0; r < RB; r++)
+            for (int c = 0; c < CB; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < k / bw; blk++) {
+            float a[GROUP][16], b[GROUP][16];
+            prefetch_ahead(w, CB, blk, bs, bw, k, CB * stride);
+            for (int c = 0; c < CB; c++) block_maps_avx2(fmt, w[c] + blk * bs, a[c], b[c]);
+            UNROLL_RUNS for (int v = 0; v < bw / 16; v++)
+                for (int c = 0; c < CB; c++) {
+                    __m256 wv[2];
+                    weights16_avx2(fmt, w[c] + blk * bs, v, a[c][map_of(fmt, v)], b[c][map_of(fmt, v)], wv);
+                    for (int r = 0; r < RB; r++) {
+                        const float *xp = xr[r] + blk * bw + 16 * v;
+                        acc[r][c][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xp), acc[r][c][0]);
+                        acc[r][c][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xp + 8), acc[r][c][1]);
+                    }
                 }
-            }
         }
+        for (int r = 0; r < RB; r++)
+            for (int c = 0; c < CB; c++) out[r][c0 + c] = tree8_avx(_mm256_add_ps(acc[r][c][0], acc[r][c][1]));
     }
-    for (int r = 0; r < RB; r++)
-        for (int c = 0; c < GROUP; c++) out[r][c] = tree8_avx(_mm256_add_ps(acc[r][c][0], acc[r][c][1]));
 }
 #endif
 
@@ -140,7 +146,7 @@ static inline __attribute__((always_inline)) void tile_avx512(int fmt, int RB, c
     float lab[GROUP][32];
     for (int64_t blk = 0; blk < k / bw; blk++) {
         float a[GROUP][16], b[GROUP][16];
-        prefetch_ahead(wr, blk, bs, bw, k, stride);
+        prefetch_ahead(wr, GROUP, blk, bs, bw, k, GROUP * stride);
         if (bw == 32) {
             if (blk % 16 == 0) maps16_avx512(fmt, wr, blk, k / bw - blk, lab);
             const int has_min = fmt == GGML_Q4_1 || fmt == GGML_Q5_1, at = 2 * (int)(blk % 16);
