@@ -162,9 +162,11 @@ def test_fp32_paths_are_bit_equal(lib, fmt):
 
 
 def test_vector_paths_are_exercised_here(lib):
-    """The project's machines have AVX-512 and AVX512_BF16 (the avx512_bf16 EPYC); elsewhere the
-    portable paths are the ones tested."""
+    """Every vector path this CPU can run is built, and so tested above: AVX2 on both of the project's
+    machine kinds, AVX-512 and AVX512_BF16 on the avx512_bf16 EPYC; elsewhere the portable paths."""
     flags = open("/proc/cpuinfo").read()
+    if " avx2 " in flags and " fma " in flags:
+        assert "avx2" in available_isas(lib, torch.float32)
     if " avx512f " in flags:
         assert "avx512" in available_isas(lib, torch.float32)
     if " avx512_bf16 " in flags:
@@ -239,7 +241,7 @@ def test_refusals(lib):
     x, y = torch.zeros(1, 256), torch.zeros(1, 4)
     assert lib.gemm_blocks_f32(x.data_ptr(), 0, blocks.data_ptr(), 210, 99, y.data_ptr(), 1, 256, 4, 0, 1) == -1
     assert lib.gemm_blocks_f32(x.data_ptr(), 0, blocks.data_ptr(), 100, code, y.data_ptr(), 1, 256, 4, 0, 1) == -1
-    assert lib.gemm_blocks_f32(x.data_ptr(), 0, blocks.data_ptr(), 210, code, y.data_ptr(), 1, 256, 4, 2, 1) == -2
+    assert lib.gemm_blocks_f32(x.data_ptr(), 0, blocks.data_ptr(), 210, code, y.data_ptr(), 1, 256, 4, 4, 1) == -2
     assert lib.gemm_blocks_f32(x.data_ptr(), 3, blocks.data_ptr(), 210, code, y.data_ptr(), 1, 256, 4, 0, 1) == -1
 
 

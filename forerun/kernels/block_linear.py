@@ -93,7 +93,7 @@ def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: to
                        fp32_out: bool = False, gemv_order: bool = False) -> LinearFn:
     """The matmul for many rows over `weight`'s blocks, for inputs in `dtype` (fp32 out with
     `fp32_out`): the block matmul (its bf16 variant only where the CPU has AVX512_BF16; elsewhere bf16
-    is emulated and the fp32 variant runs), or with `gemv_order`, and on CPUs without AVX-512, the lane
+    is emulated and the fp32 variant runs), or with `gemv_order`, and on CPUs without AVX2, the lane
     matmul, which sums in fp32 exactly as the block GEMV does (a row's result then does not depend on
     the row count); without the C kernels the weight expanded per call."""
     mm = BlockMatmul.create(lib, weight.data, weight.fmt, weight.k)
@@ -102,9 +102,9 @@ def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: to
         run = expanding_linear([weight], None, dtype)
         return (lambda x: run(x).float()) if fp32_out else run
     assert lib is not None
-    # Without AVX-512 the block matmul has only its portable path, and the lane matmul's AVX2 path is
-    # several times faster in either dtype (bf16 is emulated there).
-    if gemv_order or "avx512" not in available_isas(lib, torch.float32):
+    # Without a vector path the block matmul is the portable loop, and the lane matmul's is several
+    # times faster in either dtype.
+    if gemv_order or not {"avx2", "avx512"} & set(available_isas(lib, torch.float32)):
         return lambda x: lanes(x, fp32_out)
     if dtype == torch.bfloat16 and "avx512" not in available_isas(lib, torch.bfloat16):
         return lambda x: mm(x.float()) if fp32_out else mm(x.float()).to(x.dtype)

@@ -20,17 +20,15 @@ import torch
 from torch import Tensor
 
 from forerun.kernels.build import profiled
-from forerun.kernels.kquant_gemv import FORMATS, check_blocks, supports
+from forerun.kernels.kquant_gemv import FORMATS, ISAS, check_blocks, supports
 
-# The kernel's paths: "auto" takes the fastest one built for this CPU; the others exist to test them.
-ISAS: dict[str, int] = {"auto": 0, "scalar": 1, "avx512": 3}
 # gemm_blocks_f32's `mode`: fp32 x and y; bf16 x (the bf16 variant) and fp32 y; bf16 x and bf16 y.
 MODE_F32, MODE_BF16, MODE_BF16_OUT = 0, 1, 2
 
 
 def available_isas(lib: ctypes.CDLL, dtype: torch.dtype) -> list[str]:
-    """The kernel paths built into `lib` for x of `dtype` (fp32 or bf16; "scalar" always). For bf16,
-    "avx512" is the AVX512_BF16 dot-product path."""
+    """The kernel paths built into `lib` for x of `dtype` (fp32 or bf16; "scalar" always). "avx2" is
+    fp32's only; for bf16, "avx512" is the AVX512_BF16 dot-product path."""
     bits = lib.gemm_blocks_isas_f32(int(dtype == torch.bfloat16))
     return [name for name, code in ISAS.items() if code and bits & (1 << code)]
 

@@ -2,8 +2,8 @@
 whether batch invariance is on by default.
 
 A GGUF file's quantized matrices are multiplied from their blocks. Few rows run the block GEMV in fp32
-arithmetic whatever the engine's dtype. Many rows have up to three candidates (the last two on
-CPUs with AVX-512 only):
+arithmetic whatever the engine's dtype. Many rows have up to three candidates (the second on CPUs
+with AVX2 or AVX-512, the third on those with AVX512_BF16):
 
   float32/lanes:   the lane matmul (forerun.kernels.lane_matmul), fp32 products summed in the GEMV's
                    own order, so a row's result is the same at every batch size (batch-invariant);
@@ -108,9 +108,11 @@ class BlockChoice:
 
 
 def block_candidates(lib: ctypes.CDLL) -> list[str]:
-    """The lane matmul always; the block matmul's fp32 and bf16 variants where it has their AVX-512
-    paths (its portable path is no contender, and bf16 without AVX512_BF16 is emulated)."""
-    return ([LANES] + ([FP32_BLOCKS] if "avx512" in block_isas(lib, torch.float32) else [])
+    """The lane matmul always; the block matmul's fp32 variant where it has a vector path (AVX2 or
+    AVX-512), its bf16 variant where it has the AVX512_BF16 one (the portable paths are no contenders,
+    and bf16 without AVX512_BF16 is emulated)."""
+    vector = {"avx2", "avx512"}
+    return ([LANES] + ([FP32_BLOCKS] if vector & set(block_isas(lib, torch.float32)) else [])
             + ([BF16_BLOCKS] if "avx512" in block_isas(lib, torch.bfloat16) else []))
 
 
@@ -176,7 +178,7 @@ def choose_block_dtype(lib: ctypes.CDLL, work: Workload, fmt: str, cache_file: P
     """The GGUF model's arithmetic (see the module docstring), from `cache_file` when this machine
     measured it."""
     candidates = block_candidates(lib)
-    if candidates == [LANES]:  # nothing to measure against (no AVX-512)
+    if candidates == [LANES]:  # nothing to measure against (no vector path)
         return BlockChoice("float32", True, {})
     key = json.dumps(["block_dtype", build_name(lib), cpu_signature(), torch.__version__, torch.get_num_threads(),
                       asdict(work), PROBE_CONTEXT, fmt, candidates])

@@ -18,12 +18,13 @@
  *
  * The micro-kernel keeps NC = 6 weight rows x RV = 4 groups of 16 rows of y in 24 vector registers;
  * per step of k it loads the 4 x vectors and broadcasts one weight of each of the 6 weight rows. Each
- * output is one vector lane, and no lane ever meets another.
+ * output is one vector lane, and no lane ever meets another. (AVX2: one group at a time, two registers
+ * a group, 12 accumulators.)
  *
  * Two arithmetic variants:
  *   fp32: x fp32, weights exactly gguf's fp32 values (gguf_blocks.h); y[r][j] = fma over k = 0..k-1
- *         in increasing order, one rounding a step, from +0. The AVX-512 and the portable path perform
- *         that same chain, so they are bit-equal.
+ *         in increasing order, one rounding a step, from +0. The AVX-512, AVX2 and portable paths
+ *         perform that same chain, so they are bit-equal.
  *   bf16: x bf16, weights rounded to bf16 (to nearest even, from their exact fp32 value); products are
  *         exact in fp32 and accumulated in fp32 over k in increasing order, a pair of k at a time
  *         (AVX512_BF16 vdpbf16ps: the pair's two products are added into the lane, with the rounding
@@ -56,6 +57,12 @@
 #define BF16_PATH 1
 #else
 #define BF16_PATH 0
+#endif
+/* AVX2 for fp32 (the only vector path of an AVX2-only CPU; built on AVX-512 ones too, to test it). */
+#if defined(__AVX2__) && defined(__FMA__)
+#define F32_AVX2_PATH 1
+#else
+#define F32_AVX2_PATH 0
 #endif
 
 enum {
@@ -92,9 +99,13 @@ static int64_t k_block(int64_t k, int elem_bytes) {
     return round_up((k + blocks - 1) / blocks, 32);
 }
 
-/* Bit i set when path i (ISA_SCALAR, ISA_AVX512) of the variant (bf16 or fp32) was built. */
+/* Bit i set when path i (ISA_SCALAR, ISA_AVX2: fp32 only, ISA_AVX512) of the variant (bf16 or fp32)
+ * was built. */
 int gemm_blocks_isas_f32(int bf16) {
     int isas = 1 << ISA_SCALAR;
+#if F32_AVX2_PATH
+    if (!bf16) isas |= 1 << ISA_AVX2;
+#endif
 #if F32_PATH
     if (!bf16) isas |= 1 << ISA_AVX512;
 #endif
@@ -218,6 +229,12 @@ static void micro(const Plan *p, int rb, const void *xg, const void *tile, int64
             return;
         }
 #endif
+#if F32_AVX2_PATH
+        if (p->isa == ISA_AVX2) {
+            MICRO_RB(micro_f32_avx2, rb, xg, xs, wt, len, first, acc, ld);
+            return;
+        }
+#endif
         MICRO_RB(micro_f32_scalar, rb, xg, xs, wt, len, first, acc, ld);
     }
 }
@@ -275,7 +292,7 @@ static void thread_columns(const Plan *p, const void *xp, const uint8_t *w, int6
 
 /* y [rows, n] = x [rows, k] W^T. `mode`: MODE_F32 (x and y fp32, the fp32 variant), MODE_BF16 (x bf16 as
  * uint16, the bf16 variant, y fp32) or MODE_BF16_OUT (the same, y rounded to bf16). `isa`: ISA_BEST,
- * ISA_SCALAR or ISA_AVX512. Returns 0; -1 for a format gguf_blocks.h lacks, a mode it does not know or a
+ * ISA_SCALAR, ISA_AVX2 (fp32) or ISA_AVX512. Returns 0; -1 for a format gguf_blocks.h lacks, a mode it does not know or a
  * k / stride / count that does not fit; -2 for a path not built; -3 when memory runs out. */
 int gemm_blocks_f32(const void *x, int mode, const uint8_t *w, int64_t stride, int fmt, void *y, int64_t rows,
                     int64_t k, int64_t n, int isa, int nthreads) {
@@ -283,8 +300,8 @@ int gemm_blocks_f32(const void *x, int mode, const uint8_t *w, int64_t stride, i
     if (mode != MODE_F32 && mode != MODE_BF16 && mode != MODE_BF16_OUT) return -1;
     const int bf16 = mode != MODE_F32;
     const int isas = gemm_blocks_isas_f32(bf16);
-    if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_SCALAR;
-    if ((isa != ISA_SCALAR && isa != ISA_AVX512) || !(isas & (1 << isa))) return -2;
+    if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
+    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !(isas & (1 << isa))) return -2;
     if (rows == 0 || n == 0) return 0;
     const int eb = bf16 ? 2 : 4;
     const int64_t groups = (rows + LANES - 1) / LANES, units = (n + SPAN - 1) / SPAN;
