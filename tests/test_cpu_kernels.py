@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from forerun import LLM, SamplingParams
 from forerun.kernels.linear import available_kernels, make_linear
 from forerun.kernels import probe
+from tests.conftest import judge_machine
 from forerun.kernels.probe import choose_kernels
 
 CPU = torch.device("cpu")
@@ -52,7 +53,7 @@ def test_packed_model_gives_the_same_tokens(tiny_llama_dir, kernel):
 
 
 def test_probe_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(probe, "machine_busy", lambda: False)  # the real load must not force a re-measure
+    judge_machine(monkeypatch, False)  # the real load must not force a re-measure
     cache = tmp_path / "probe.json"
     first = choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     assert set(first.gflops) >= {"float32/aten", "float32/mkldnn", "bfloat16/aten"}
@@ -76,11 +77,11 @@ def test_a_choice_timed_on_a_busy_machine_is_timed_again_when_calm(tmp_path, mon
     cache, calls = tmp_path / "probe.json", []
     real = probe.measure
     monkeypatch.setattr(probe, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(probe, "machine_busy", lambda: True)
+    judge_machine(monkeypatch, True)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     assert len(calls) == 1, "still busy: the busy measurement is kept rather than repeated"
-    monkeypatch.setattr(probe, "machine_busy", lambda: False)
+    judge_machine(monkeypatch, False)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     choose_kernels(SHAPES, 8, [torch.float32, torch.bfloat16], None, cache)
     assert len(calls) == 2, "calm now: measured once more, and that answer is final"
@@ -101,7 +102,7 @@ DAMAGES = {
 
 @pytest.mark.parametrize("damage", ["unparsable", *DAMAGES])
 def test_damaged_cache_is_measured_again(tmp_path, monkeypatch, damage):
-    monkeypatch.setattr(probe, "machine_busy", lambda: False)  # only the damage may force a measurement
+    judge_machine(monkeypatch, False)  # only the damage may force a measurement
     cache = tmp_path / "probe.json"
     first = choose_kernels(SHAPES, 4, [torch.float32], None, cache)
     if damage == "unparsable":

@@ -14,6 +14,7 @@ from forerun.kernels.linear import available_kernels, make_linear
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels import probe
+from tests.conftest import judge_machine
 from forerun.loader.model_source import cache_dir
 
 CPU = torch.device("cpu")
@@ -69,7 +70,7 @@ def test_native_is_a_candidate_for_fp32_only_when_the_library_built(gemm, tmp_pa
     assert available_kernels(torch.float32, CPU, gemm) == ["aten", "mkldnn", "native"]
     assert "native" not in available_kernels(torch.float32, CPU)
     assert "native" not in available_kernels(torch.bfloat16, CPU, gemm)
-    monkeypatch.setattr(probe, "machine_busy", lambda: False)
+    judge_machine(monkeypatch, False)
     cache = tmp_path / "probe.json"
     shapes = [(64, 96, 2), (96, 64, 2)]
     choice = probe.choose_kernels(shapes, 8, [torch.float32], None, cache, gemm)

@@ -20,6 +20,7 @@ from forerun.kernels.linear import split_by_rows
 from forerun.kernels.build import load_native_library
 from forerun.kernels.gemv import CompactGemv
 from forerun.kernels import probe
+from tests.conftest import judge_machine
 from forerun.loader.model_source import cache_dir
 from tests.conftest import save_tiny_model
 from tests.gguf_factory import write_model_gguf
@@ -102,7 +103,7 @@ def test_rows_stop_at_the_first_loss():
 
 @pytest.mark.parametrize("fmt", ["bf16", "Q4_1"])
 def test_probe_measures_then_reads_the_cache(gemv, tmp_path, monkeypatch, fmt):
-    monkeypatch.setattr(probe, "machine_busy", lambda: False)  # the real load must not force a re-measure
+    judge_machine(monkeypatch, False)  # the real load must not force a re-measure
     shapes, cache = [(64, 96, 2), (96, 64, 2)], tmp_path / "probe.json"
     pair = probe.dense_pair("mkldnn", gemv, torch.float32)
     rows, speedup = probe.choose_gemv_rows(shapes, pair, fmt, 8, cache, ["mkldnn"])
@@ -115,7 +116,7 @@ def test_probe_measures_then_reads_the_cache(gemv, tmp_path, monkeypatch, fmt):
 @pytest.mark.parametrize("damage", [{"speedup": {"one": 1.2}}, {"speedup": {"1": "fast"}}, {"speedup": [1.2]},
                                     {"speedup": {"1": 1.2}, "extra": 1}, {}])
 def test_a_damaged_gemv_entry_is_measured_again(gemv, tmp_path, monkeypatch, damage):
-    monkeypatch.setattr(probe, "machine_busy", lambda: False)
+    judge_machine(monkeypatch, False)
     shapes, cache = [(64, 96, 2), (96, 64, 2)], tmp_path / "probe.json"
     pair = probe.dense_pair("aten", gemv, torch.float32)
     probe.choose_gemv_rows(shapes, pair, "bf16", 2, cache, ["aten"])

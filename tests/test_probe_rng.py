@@ -21,6 +21,7 @@ from forerun.kernels.build import load_native_library
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
 from forerun.kernels import probe
+from tests.conftest import judge_machine
 from tests.conftest import cache_sharing_kernels
 
 SHAPES = [(64, 96, 2), (96, 64, 2), (64, 500, 1)]
@@ -36,7 +37,7 @@ def lib():
 
 
 def test_probe_measurements_leave_the_global_rng_alone(lib, tmp_path, monkeypatch):
-    monkeypatch.setattr(probe, "machine_busy", lambda: False)
+    judge_machine(monkeypatch, False)
     gemm = PackedGemm(lib)
     torch.manual_seed(SEED)
     before = torch.get_rng_state()

@@ -46,7 +46,8 @@ from forerun.kernels.block_matmul import available_isas as block_isas
 from forerun.kernels.build import build_name
 from forerun.kernels.compact_weights import CompactWeight, block_size
 from forerun.kernels.lane_matmul import LaneMatmul
-from forerun.kernels.probe import BUSY, best_rounds, capped, fresh_entry, machine_busy, read_cache, write_cache
+from forerun.kernels.busy_watch import BusyWatch
+from forerun.kernels.probe import BUSY, best_rounds, capped, fresh_entry, read_cache, write_cache
 from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -187,13 +188,13 @@ def choose_block_dtype(lib: ctypes.CDLL, work: Workload, fmt: str, cache_file: P
     if cached is not None:
         return cached
     t0 = time.perf_counter()
-    busy = machine_busy()
+    watch = BusyWatch()
     gflops = workload_gflops(
         measure_blocks(lib, work.decode, fmt, work.decode_rows, candidates),
         measure_blocks(lib, work.prefill, fmt, work.prefill_rows, candidates, rounds=3, limit=PREFILL_MAX_ELEMENTS),
         _flops(work.decode, fmt), _flops(work.prefill, fmt),
         0.0 if work.attention is None else attention_seconds(lib, work.attention, work.decode_rows))
-    busy = busy or machine_busy()
+    busy = watch.busy()
     choice = decide(gflops)
     logger.info("measured block matmul speed in %.1f s", time.perf_counter() - t0)
     if cache_file is not None:

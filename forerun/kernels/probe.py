@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from forerun.kernels import busy_watch
+from forerun.kernels.busy_watch import BusyWatch
 from forerun.kernels.compact_weights import CompactWeight, block_size
 from forerun.kernels.gemm import PackedGemm
 from forerun.kernels.gemv import CompactGemv
@@ -129,9 +131,9 @@ def choose_kernels(shapes: list[tuple[int, int, int]], batch: int, dtypes: list[
     if cached is not None:
         return cached
     t0 = time.perf_counter()
-    busy = machine_busy()
+    watch = BusyWatch()
     gflops = measure(shapes, batch, candidates, gemm=gemm)
-    busy = busy or machine_busy()
+    busy = watch.busy()
     best = max(gflops, key=lambda name: gflops[name])
     dtype_name, kernel = best.split("/")
     choice = KernelChoice(dtype_name, kernel, gflops)
@@ -200,9 +202,9 @@ def choose_gemv_rows(shapes: list[tuple[int, int, int]], pair: MatmulPair, fmt: 
     if cached is not None:
         speedup = cached
     else:
-        busy = machine_busy()
+        watch = BusyWatch()
         speedup = measure_gemv(shapes, pair, fmt, max_rows, dtype=dtype)
-        busy = busy or machine_busy()
+        busy = watch.busy()
         if cache_file is not None:
             cache[key] = {"speedup": speedup, BUSY: busy}
             write_cache(cache_file, cache)
@@ -222,22 +224,13 @@ def gemv_rows_from(speedup: dict[int, float]) -> int:
 BUSY = "measured_while_busy"
 
 
-def machine_busy() -> bool:
-    """Whether other work holds the cores now (load average above the core count). Timings taken
-    then are unreliable: a parallel region waits for whichever thread lost its core."""
-    try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1)
-    except OSError:
-        return False
-
-
 def fresh_entry(entry: dict | None) -> dict | None:
     """A cached entry without its bookkeeping, or None when it must be measured again: absent, or
     measured while the machine was busy and it is calm now (so a busy first start is not final)."""
     if not isinstance(entry, dict):
         return None
     entry = dict(entry)
-    if entry.pop(BUSY, False) and not machine_busy():
+    if entry.pop(BUSY, False) and not busy_watch.machine_busy():
         logger.info("re-measuring a matmul choice that was timed while the machine was busy")
         return None
     return entry
