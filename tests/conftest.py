@@ -166,4 +166,4 @@ def judge_machine(monkeypatch, busy: bool) -> None:
     """Make the probes judge the machine busy or calm, whatever its real load (forerun.kernels.busy_watch)."""
     from forerun.kernels import busy_watch
     monkeypatch.setattr(busy_watch, "machine_busy", lambda: busy)
-    monkeypatch.setattr(busy_watch.BusyWatch, "others_cores", lambda self: 0.0)
+    monkeypatch.setattr(busy_watch.BusyWatch, "others_seconds", lambda self: 0.0)

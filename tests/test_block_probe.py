@@ -16,6 +16,7 @@ from forerun.kernels.block_probe import (BF16_BLOCKS, FP32_BLOCKS, INVARIANT_COS
                                          block_candidates, choose_block_dtype, decide, workload_gflops)
 from forerun.kernels.build import load_native_library
 from forerun.loader.model_source import cache_dir
+from tests.conftest import judge_machine
 
 SHAPES = [(256, 96, 2), (512, 256, 1)]
 WORK = Workload(SHAPES, SHAPES[:1], 8, 32, AttentionShape(4, 2, 16, 2))
@@ -87,6 +88,7 @@ def test_the_fp32_block_matmul_is_timed_wherever_it_has_a_vector_path(lib) -> No
 
 
 def test_the_answer_is_measured_once_and_cached(lib, monkeypatch, tmp_path: Path) -> None:
+    judge_machine(monkeypatch, False)  # a busy verdict would make the cached answer be measured again
     cache = tmp_path / "probe.json"
     if block_candidates(lib) == [LANES]:  # no AVX2: the lane matmul is the only vector kernel
         assert choose_block_dtype(lib, WORK, "Q4_K", cache) == BlockChoice("float32", True, {})

@@ -18,6 +18,9 @@ from pathlib import Path
 
 # Cores' worth of other processes' CPU time during a probe above which its timings are not trusted.
 OTHERS_CORES = 0.25
+# ... and seconds of it at least: both counters tick in hundredths of a second (one tick a CPU), so
+# over a short probe a few ticks of rounding alone would look like a quarter of a core.
+OTHERS_MIN_SECONDS = 0.1
 PROC_STAT = Path("/proc/stat")
 
 
@@ -53,14 +56,19 @@ class BusyWatch:
         self._busy_at_start = machine_busy()
         self._start = (time.monotonic(), _machine_cpu_seconds(), _own_cpu_seconds())
 
-    def others_cores(self) -> float:
-        """Cores' worth of CPU time spent by other processes since the start (0.0 where unknown)."""
-        wall0, machine0, own0 = self._start
+    def others_seconds(self) -> float:
+        """CPU seconds spent by other processes since the start (0.0 where unknown)."""
+        _, machine0, own0 = self._start
         machine = _machine_cpu_seconds()
         if machine0 is None or machine is None:
             return 0.0
-        wall = max(time.monotonic() - wall0, 1e-3)
-        return max(0.0, (machine - machine0) - (_own_cpu_seconds() - own0)) / wall
+        return max(0.0, (machine - machine0) - (_own_cpu_seconds() - own0))
+
+    def others_cores(self) -> float:
+        """Cores' worth of CPU time spent by other processes since the start (0.0 where unknown)."""
+        return self.others_seconds() / max(time.monotonic() - self._start[0], 1e-3)
 
     def busy(self) -> bool:
-        return self._busy_at_start or machine_busy() or self.others_cores() > OTHERS_CORES
+        if self._busy_at_start or machine_busy():
+            return True
+        return self.others_seconds() > OTHERS_MIN_SECONDS and self.others_cores() > OTHERS_CORES

@@ -292,8 +292,9 @@ static void thread_columns(const Plan *p, const void *xp, const uint8_t *w, int6
 
 /* y [rows, n] = x [rows, k] W^T. `mode`: MODE_F32 (x and y fp32, the fp32 variant), MODE_BF16 (x bf16 as
  * uint16, the bf16 variant, y fp32) or MODE_BF16_OUT (the same, y rounded to bf16). `isa`: ISA_BEST,
- * ISA_SCALAR, ISA_AVX2 (fp32) or ISA_AVX512. Returns 0; -1 for a format gguf_blocks.h lacks, a mode it does not know or a
- * k / stride / count that does not fit; -2 for a path not built; -3 when memory runs out. */
+ * ISA_SCALAR, ISA_AVX2 (fp32) or ISA_AVX512. Returns 0; -1 for a format gguf_blocks.h lacks, a mode it
+ * does not know or a k / stride / count that does not fit; -2 for a path not built; -3 when memory runs
+ * out. */
 int gemm_blocks_f32(const void *x, int mode, const uint8_t *w, int64_t stride, int fmt, void *y, int64_t rows,
                     int64_t k, int64_t n, int isa, int nthreads) {
     if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0) return -1;
