@@ -15,12 +15,12 @@ import torch
 
 from forerun import LLM, SamplingParams
 from forerun.kernels import probe
-from tests.conftest import judge_machine
 from forerun.kernels.build import load_native_library
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemv import CompactGemv
 from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
 from forerun.loader.model_source import cache_dir
+from tests.conftest import judge_machine
 from tests.gguf_factory import write_model_gguf
 from tests.test_gguf_convert import _tiny_model
 

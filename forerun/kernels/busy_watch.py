@@ -50,7 +50,8 @@ def _own_cpu_seconds() -> float:
 
 class BusyWatch:
     """Started before a probe's timings, asked after them: `busy()` when the load average was above
-    the core count at either end, or other processes used more than OTHERS_CORES cores meanwhile."""
+    the core count at either end, or other processes used more than OTHERS_CORES cores (and more
+    than OTHERS_MIN_SECONDS) meanwhile."""
 
     def __init__(self) -> None:
         self._busy_at_start = machine_busy()
