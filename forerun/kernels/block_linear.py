@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from forerun.kernels.block_matmul import BlockMatmul, OrderedGemv, available_isas
+from forerun.kernels.block_matmul import BlockMatmul, OrderedGemv, vectorised
 from forerun.kernels.build import profiled
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.gemv import CompactLinear
@@ -104,9 +104,9 @@ def large_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, dtype: to
     assert lib is not None
     # Without a vector path the block matmul is the portable loop, and the lane matmul's is several
     # times faster in either dtype.
-    if gemv_order or not {"avx2", "avx512"} & set(available_isas(lib, torch.float32)):
+    if gemv_order or not vectorised(lib, torch.float32):
         return lambda x: lanes(x, fp32_out)
-    if dtype == torch.bfloat16 and "avx512" not in available_isas(lib, torch.bfloat16):
+    if dtype == torch.bfloat16 and not vectorised(lib, torch.bfloat16):
         return lambda x: mm(x.float()) if fp32_out else mm(x.float()).to(x.dtype)
     return lambda x: mm(x, fp32_out)
 

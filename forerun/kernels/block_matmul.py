@@ -33,6 +33,12 @@ def available_isas(lib: ctypes.CDLL, dtype: torch.dtype) -> list[str]:
     return [name for name, code in ISAS.items() if code and bits & (1 << code)]
 
 
+def vectorised(lib: ctypes.CDLL, dtype: torch.dtype) -> bool:
+    """Whether the kernel has a vector path for x of `dtype` (fp32: AVX2 or AVX-512; bf16: AVX512_BF16).
+    Without one it is the portable loop, no contender for the lane matmul or for fp32."""
+    return any(isa != "scalar" for isa in available_isas(lib, dtype))
+
+
 class BlockMatmul:
     """x -> x W^T with W [n, k] held as its GGUF blocks, uint8 [n, k / block weights * block bytes].
 

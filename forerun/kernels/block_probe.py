@@ -42,7 +42,7 @@ import torch
 
 from forerun.kernels.attention import DecodeAttention
 from forerun.kernels.block_matmul import BlockMatmul
-from forerun.kernels.block_matmul import available_isas as block_isas
+from forerun.kernels.block_matmul import vectorised
 from forerun.kernels.build import build_name
 from forerun.kernels.compact_weights import CompactWeight, block_size
 from forerun.kernels.lane_matmul import LaneMatmul
@@ -112,9 +112,8 @@ def block_candidates(lib: ctypes.CDLL) -> list[str]:
     """The lane matmul always; the block matmul's fp32 variant where it has a vector path (AVX2 or
     AVX-512), its bf16 variant where it has the AVX512_BF16 one (the portable paths are no contenders,
     and bf16 without AVX512_BF16 is emulated)."""
-    vector = {"avx2", "avx512"}
-    return ([LANES] + ([FP32_BLOCKS] if vector & set(block_isas(lib, torch.float32)) else [])
-            + ([BF16_BLOCKS] if "avx512" in block_isas(lib, torch.bfloat16) else []))
+    return ([LANES] + ([FP32_BLOCKS] if vectorised(lib, torch.float32) else [])
+            + ([BF16_BLOCKS] if vectorised(lib, torch.bfloat16) else []))
 
 
 def measure_blocks(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]], fmt: str, batch: int,

@@ -65,11 +65,13 @@ class BusyWatch:
             return 0.0
         return max(0.0, (machine - machine0) - (_own_cpu_seconds() - own0))
 
-    def others_cores(self) -> float:
+    def others_cores(self, others_seconds: float | None = None) -> float:
         """Cores' worth of CPU time spent by other processes since the start (0.0 where unknown)."""
-        return self.others_seconds() / max(time.monotonic() - self._start[0], 1e-3)
+        seconds = self.others_seconds() if others_seconds is None else others_seconds
+        return seconds / max(time.monotonic() - self._start[0], 1e-3)
 
     def busy(self) -> bool:
         if self._busy_at_start or machine_busy():
             return True
-        return self.others_seconds() > OTHERS_MIN_SECONDS and self.others_cores() > OTHERS_CORES
+        seconds = self.others_seconds()  # read once: both tests judge the same interval
+        return seconds > OTHERS_MIN_SECONDS and self.others_cores(seconds) > OTHERS_CORES

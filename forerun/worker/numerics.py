@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from forerun.config import EngineConfig
 from forerun.kernels.attention import shape_supported
-from forerun.kernels.block_matmul import available_isas as block_isas
+from forerun.kernels.block_matmul import vectorised
 from forerun.kernels.block_probe import (DECODE_ROWS, PREFILL_ROWS, AttentionShape, Workload, choose_block_dtype,
                                          decide)
 from forerun.kernels.gemm import PackedGemm
@@ -89,7 +89,7 @@ class NumericsChooser:
         if lib is None:
             raise ValueError("batch_invariant: needs forerun's C kernels (native_kernels on, a C compiler)")
         fixed = parse_dtype(self.config.dtype, self.device)
-        bf16_blocks = is_gguf_folder(self.folder) and "avx512" in block_isas(lib, torch.bfloat16)
+        bf16_blocks = is_gguf_folder(self.folder) and vectorised(lib, torch.bfloat16)
         if fixed not in (None, torch.float32) and not (fixed == torch.bfloat16 and bf16_blocks):
             raise ValueError(f"batch_invariant: runs in float32, or in bfloat16 over a GGUF file's blocks on a CPU "
                              f"with AVX512_BF16; not {self.config.dtype} here")
