@@ -164,7 +164,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
     INLINE void pv_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,                \
                             const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,               \
                             float *acc) {                                                                \
-        const int wide = D % 16 == 0;                                                                    \
+        const int wide = VEC16_NATIVE && D % 16 == 0;                                                    \
         const int64_t cols = wide && G <= 4 ? MAX_COLS : PV_COLS;                                        \
         for (int64_t h = h0; h < h1; h++)                                                                \
             for (int64_t d0 = 0; d0 < D; d0 += cols) {                                                   \

@@ -36,6 +36,15 @@ static inline void st_bf16(uint16_t *p, float v) {
     *p = (uint16_t)(u >> 16);
 }
 
+/* Whether a 16-wide vector is one register. Elsewhere (AVX2: two) a loop that holds many of them runs
+ * out of registers, and GCC builds each splat16 through the stack: the decode attention's pv, 16 wide
+ * on an AMD EPYC with AVX2 only, stored every score 16 times and spilled its accumulators. */
+#if defined(__AVX512F__)
+#define VEC16_NATIVE 1
+#else
+#define VEC16_NATIVE 0
+#endif
+
 static inline v8f splat8(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 static inline v16f splat16(float v) { return (v16f){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
 
