@@ -99,7 +99,8 @@ static inline __attribute__((always_inline)) void tile_avx2(int fmt, int RB, con
             UNROLL_RUNS for (int v = 0; v < bw / 16; v++)
                 for (int c = 0; c < CB; c++) {
                     __m256 wv[2];
-                    weights16_avx2(fmt, w[c] + blk * bs, v, a[c][map_of(fmt, v)], b[c][map_of(fmt, v)], wv);
+                    if (folded_format(fmt)) folded16_avx2(fmt, w[c] + blk * bs, v, a[c][map_of(fmt, v)], wv);
+                    else weights16_avx2(fmt, w[c] + blk * bs, v, a[c][map_of(fmt, v)], b[c][map_of(fmt, v)], wv);
                     for (int r = 0; r < RB; r++) {
                         const float *xp = xr[r] + blk * bw + 16 * v;
                         acc[r][c][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xp), acc[r][c][0]);
