@@ -392,9 +392,9 @@ static inline int folded_format(int fmt) { return fmt == GGML_Q4_0 || fmt == GGM
 
 /* Run v's 16 weights of a folded_format as fma(a, u, -offset a), u the unsigned field: one rounding of
  * a u - offset a = a s exactly (offset a is exact, a power of two times a), so each weight is the
- * reference's a s, except that a zero weight is +0 where a < 0 gives -0 in the reference: a GEMV's
- * sums cannot tell (each starts at +0, and x + (-0) = x, +0 + (-0) = +0), so its results are the
- * unfolded path's bit for bit. The dequantizer keeps weights16_avx2. Why: the sign extension and the
+ * reference's a s, except that a zero weight may be +0 where the reference's is -0: a GEMV's sums
+ * cannot tell (each starts at +0, and x + (-0) = x, +0 + (-0) = +0), so its results are the unfolded
+ * path's bit for bit. The dequantizer keeps weights16_avx2. Why: the sign extension and the
  * offset's subtraction go; one weight row in cache, one thread, Q4_0 2.21-2.28 against 2.45-2.61
  * cycles a 8 weights, Q5_0 3.08-3.10 against 3.57-3.70 (AMD EPYC, AVX2 only). */
 static inline __attribute__((always_inline)) void folded16_avx2(int fmt, const uint8_t *blk, int v, float a,
