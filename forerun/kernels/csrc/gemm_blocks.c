@@ -300,9 +300,8 @@ int gemm_blocks_f32(const void *x, int mode, const uint8_t *w, int64_t stride, i
     if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0) return -1;
     if (mode != MODE_F32 && mode != MODE_BF16 && mode != MODE_BF16_OUT) return -1;
     const int bf16 = mode != MODE_F32;
-    const int isas = gemm_blocks_isas_f32(bf16);
-    if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
-    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !(isas & (1 << isa))) return -2;
+    isa = path_of(isa, gemm_blocks_isas_f32(bf16));
+    if (isa < 0) return -2;
     if (rows == 0 || n == 0) return 0;
     const int eb = bf16 ? 2 : 4;
     const int64_t groups = (rows + LANES - 1) / LANES, units = (n + SPAN - 1) / SPAN;

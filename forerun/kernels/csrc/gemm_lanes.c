@@ -284,9 +284,8 @@ int gemm_lanes_isas_f32(void) { return gemv_kquant_isas_f32(); }
 int gemm_lanes_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy, int64_t rows,
                    int64_t k, int64_t n, int isa, int nthreads) {
     if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n) return -1;
-    const int isas = gemm_lanes_isas_f32();
-    if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
-    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !(isas & (1 << isa))) return -2;
+    isa = path_of(isa, gemm_lanes_isas_f32());
+    if (isa < 0) return -2;
     if (rows == 0 || n == 0) return 0;
     if (nthreads < 1) nthreads = 1;
 #if F32_PATH

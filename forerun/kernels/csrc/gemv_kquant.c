@@ -99,8 +99,8 @@ static inline __attribute__((always_inline)) void tile_avx2(int fmt, int RB, con
             UNROLL_RUNS for (int v = 0; v < bw / 16; v++)
                 for (int c = 0; c < CB; c++) {
                     __m256 wv[2];
-                    if (folded_format(fmt)) folded16_avx2(fmt, w[c] + blk * bs, v, a[c][map_of(fmt, v)], wv);
-                    else weights16_avx2(fmt, w[c] + blk * bs, v, a[c][map_of(fmt, v)], b[c][map_of(fmt, v)], wv);
+                    expand16_avx2(fmt, w[c] + blk * bs, v, a[c][map_of(fmt, v)], b[c][map_of(fmt, v)],
+                                  folded_format(fmt), wv);
                     for (int r = 0; r < RB; r++) {
                         const float *xp = xr[r] + blk * bw + 16 * v;
                         acc[r][c][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xp), acc[r][c][0]);
@@ -262,9 +262,8 @@ int gemv_kquant_isas_f32(void) {
 int gemv_kquant_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
     if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n) return -1;
-    const int isas = gemv_kquant_isas_f32();
-    if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
-    if (isa < ISA_SCALAR || isa > ISA_AVX512 || !(isas & (1 << isa))) return -2;
+    isa = path_of(isa, gemv_kquant_isas_f32());
+    if (isa < 0) return -2;
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) { /* the scalar path's accumulators hold MAX_ROWS */
         const int64_t mr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
         if (isa == ISA_SCALAR) gemv_scalar(fmt, x + r0 * k, w, stride, y + r0 * ldy, ldy, mr, k, n, nthreads);

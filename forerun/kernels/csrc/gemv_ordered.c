@@ -171,9 +171,8 @@ int gemv_ordered_isas_f32(void) {
 int gemv_ordered_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
                              int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
     if (!rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n) return -1;
-    const int isas = gemv_ordered_isas_f32();
-    if (isa == ISA_BEST) isa = isas & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_SCALAR;
-    if ((isa != ISA_SCALAR && isa != ISA_AVX512) || !(isas & (1 << isa))) return -2;
+    isa = path_of(isa, gemv_ordered_isas_f32());
+    if (isa < 0) return -2;
     if (rows == 0 || n == 0) return 0;
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
     if (isa == ISA_AVX512) {

@@ -37,6 +37,13 @@ enum {
 /* The code paths a caller may ask for (ISA_BEST: the widest one built). */
 enum { ISA_BEST = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 
+/* The path a kernel runs for the caller's `isa`, given `isas` (bit i set: path i built): `isa` itself,
+ * or for ISA_BEST the widest built; -1 for a path that does not exist or was not built. */
+static inline int path_of(int isa, int isas) {
+    if (isa == ISA_BEST) return isas & (1 << ISA_AVX512) ? ISA_AVX512 : isas & (1 << ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
+    return isa >= ISA_SCALAR && isa <= ISA_AVX512 && (isas & (1 << isa)) ? isa : -1;
+}
+
 /* Runs the statements after F with F an enum constant equal to `fmt` (a format this header decodes;
  * the last case takes any other): the always-inline decoders below then get one specialized copy per
  * format, with no branch on the format inside a loop. */
@@ -294,16 +301,13 @@ static inline __attribute__((always_inline)) __m256i fields16x2(int fmt, const u
     }
     return fold ? q : signed_bytes2(fmt, q);
 }
-static inline __attribute__((always_inline)) __m256i bytes16x2(int fmt, const uint8_t *blk, int v) {
-    return fields16x2(fmt, blk, v, 0);
-}
 
 /* Run v's 16 integers s as signed bytes (the AVX-512 path's form). */
 static inline __attribute__((always_inline)) __m128i bytes16(int fmt, const uint8_t *blk, int v) {
-    return _mm256_castsi256_si128(bytes16x2(fmt, blk, v));
+    return _mm256_castsi256_si128(fields16x2(fmt, blk, v, 0));
 }
 
-/* Integers 8h .. 8h + 7 of a run given by bytes16x2, as 32-bit lanes: lane 0 of the register takes bytes
+/* Integers 8h .. 8h + 7 of a run given by fields16x2, as 32-bit lanes: lane 0 of the register takes bytes
  * 8h .. 8h + 3 of its copy, lane 1 bytes 8h + 4 .. 8h + 7 of its own, with one in-lane byte shuffle
  * (into the low byte of each 32-bit lane, zeros above, where the integers are unsigned; else into the
  * top byte, then an arithmetic shift sign-extends). Why: vpmovsxbd from a 128-bit register crosses
@@ -377,33 +381,31 @@ static inline __attribute__((always_inline)) void block_maps_avx2(int fmt, const
     }
 }
 
+/* Run v's 16 weights in two registers (AVX2): fma(a, s, b), or with `fold` (a folded_format, the
+ * GEMV's form) fma(a, u, -offset a) from the unsigned fields u. */
+static inline __attribute__((always_inline)) void expand16_avx2(int fmt, const uint8_t *blk, int v, float a, float b,
+                                                                int fold, __m256 w[2]) {
+    const __m256i q = fields16x2(fmt, blk, v, fold);
+    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(fold ? -(float)offset_of(fmt) * a : b);
+    w[0] = _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(ints8_avx2(fmt, q, 0, fold)), bv);
+    w[1] = _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(ints8_avx2(fmt, q, 1, fold)), bv);
+}
+
 /* Run v's 16 weights fma(a, s, b) in two registers (AVX2). */
 static inline __attribute__((always_inline)) void weights16_avx2(int fmt, const uint8_t *blk, int v, float a, float b,
                                                                  __m256 w[2]) {
-    const __m256i q = bytes16x2(fmt, blk, v);
-    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
-    w[0] = _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(ints8_avx2(fmt, q, 0, 0)), bv);
-    w[1] = _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(ints8_avx2(fmt, q, 1, 0)), bv);
+    expand16_avx2(fmt, blk, v, a, b, 0, w);
 }
 
-/* Whether the GEMV takes the format's fields as they are and the offset into the map (folded16_avx2):
- * Q4_0 and Q5_0, whose offset is a power of two and whose map has no minimum. */
+/* Whether the GEMV takes the format's fields as they are and the offset into the map (expand16_avx2's
+ * `fold`): Q4_0 and Q5_0, whose offset is a power of two and whose map has no minimum. Each weight is
+ * then fma(a, u, -offset a): one rounding of a u - offset a = a s exactly (offset a is exact, a power
+ * of two times a), so it is the reference's a s, except that a zero weight may be +0 where the
+ * reference's is -0: a GEMV's sums cannot tell (each starts at +0, and x + (-0) = x, +0 + (-0) = +0),
+ * so its results are the unfolded path's bit for bit. The dequantizer keeps weights16_avx2. Why: the
+ * sign extension and the offset's subtraction go; one weight row in cache, one thread, Q4_0 2.21-2.28
+ * against 2.45-2.61 cycles a 8 weights, Q5_0 3.08-3.10 against 3.57-3.70 (AMD EPYC, AVX2 only). */
 static inline int folded_format(int fmt) { return fmt == GGML_Q4_0 || fmt == GGML_Q5_0; }
-
-/* Run v's 16 weights of a folded_format as fma(a, u, -offset a), u the unsigned field: one rounding of
- * a u - offset a = a s exactly (offset a is exact, a power of two times a), so each weight is the
- * reference's a s, except that a zero weight may be +0 where the reference's is -0: a GEMV's sums
- * cannot tell (each starts at +0, and x + (-0) = x, +0 + (-0) = +0), so its results are the unfolded
- * path's bit for bit. The dequantizer keeps weights16_avx2. Why: the sign extension and the
- * offset's subtraction go; one weight row in cache, one thread, Q4_0 2.21-2.28 against 2.45-2.61
- * cycles a 8 weights, Q5_0 3.08-3.10 against 3.57-3.70 (AMD EPYC, AVX2 only). */
-static inline __attribute__((always_inline)) void folded16_avx2(int fmt, const uint8_t *blk, int v, float a,
-                                                                __m256 w[2]) {
-    const __m256i u = fields16x2(fmt, blk, v, 1);
-    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(-(float)offset_of(fmt) * a);
-    w[0] = _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(ints8_avx2(fmt, u, 0, 1)), bv);
-    w[1] = _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(ints8_avx2(fmt, u, 1, 1)), bv);
-}
 #endif
 
 #include "gguf_blocks_avx512.h"
