@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "gguf_blocks.h"
+#include "q8_activations.h"
 #include "sum_tree.h"
 
 enum { QK = 32, LANES = 16, TILE = 4 };
@@ -77,7 +78,9 @@ static void free_x(qx_t *qx) {
     free(qx->ol);
 }
 
-static int quantize_x(const float *x, int64_t rows, int64_t k, int offset, qx_t *out) {
+/* `isa`: the path about to run; the portable one rounds with the portable code, so that the paths'
+ * bit-equality test covers the rounding too. */
+static int quantize_x(const float *x, int64_t rows, int64_t k, int offset, int isa, qx_t *out) {
     const int64_t blocks = rows * k / QK;
     out->q = malloc((size_t)(rows * k));
     out->dx = malloc(sizeof(float) * (size_t)blocks);
@@ -85,21 +88,11 @@ static int quantize_x(const float *x, int64_t rows, int64_t k, int offset, qx_t 
     out->ol = malloc(sizeof(int32_t) * (size_t)blocks * 8);
     if (!out->q || !out->dx || !out->sx || !out->ol) return -1;
     for (int64_t b = 0; b < blocks; b++) {
-        const float *xb = x + b * QK;
-        float amax = 0.f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int8_t *qb = out->q + b * QK;
-        int sum = 0;
-        for (int i = 0; i < QK; i++) {
-            const float v = nearbyintf(xb[i] * id); /* the default rounding mode: ties to even */
-            qb[i] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
-            sum += qb[i];
-        }
-        for (int l = 0; l < QK / 4; l++)
-            out->ol[b * 8 + l] = offset * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
-        out->dx[b] = d;
-        out->sx[b] = d * (float)sum;
+        int32_t *lane = out->ol + b * 8;
+        const int sum = isa == ISA_SCALAR ? q8_block_scalar(x + b * QK, out->q + b * QK, &out->dx[b], lane)
+                                          : q8_block(x + b * QK, out->q + b * QK, &out->dx[b], lane);
+        for (int l = 0; l < 8; l++) lane[l] *= offset;
+        out->sx[b] = out->dx[b] * (float)sum;
     }
     return 0;
 }
@@ -175,20 +168,23 @@ static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const u
     return u;
 }
 
-/* 8 lanes of P = sum of s q over 4 weights. `c` as codes_avx2 gives it; `ol` the lanes' offset terms. */
+/* 8 lanes of P = sum of s q over 4 weights. `c` as codes_avx2 gives it; `ol` the lanes' offset terms.
+ * The nibble formats' unsigned codes (u < 32) multiply q directly (pairs of u q fit vpmaddubsw's 16
+ * bits), and the offset's term is taken off after: three instructions where the signed form's sign
+ * juggling takes five. The signed codes go through |s| and q given s's sign (|s| <= 128, |q| <= 127). */
 static inline __attribute__((always_inline)) __m256i lane_dots(int fmt, __m256i c, __m256i q, const int32_t *ol) {
     const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
 #if defined(HAVE_VNNI)
-    if (is_signed) /* |s| as unsigned, q given s's sign */
+    if (is_signed)
         return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
     const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q);
-    return code_offset(fmt) ? _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol)) : p;
 #else
-    (void)ol; /* pairs of |s| q fit vpmaddubsw's 16 bits: |s| <= 128, |q| <= 127 */
-    const __m256i s = is_signed ? c : _mm256_sub_epi8(c, _mm256_set1_epi8((char)code_offset(fmt)));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(q, s));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (is_signed)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c)), ones);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
 #endif
+    return code_offset(fmt) ? _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol)) : p;
 }
 
 /* One weight row against RB rows of x; out[r] its output. */
@@ -276,7 +272,7 @@ int gemv_q8_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fm
     if (isa < 0) return -2;
     if (rows == 0 || n == 0) return 0;
     qx_t qx;
-    if (quantize_x(x, rows, k, code_offset(fmt), &qx) != 0) {
+    if (quantize_x(x, rows, k, code_offset(fmt), isa, &qx) != 0) {
         free_x(&qx);
         return -3;
     }
