@@ -51,10 +51,14 @@ def _x(rows: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
+def _block_weights(fmt: str) -> int:
+    return 256 if fmt.endswith("_K") else 32
+
+
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
 @pytest.mark.parametrize(("rows", "n", "blocks_per_row"), [(1, 37, 1), (3, 8, 3), (6, 13, 18)])
 def test_matches_the_rounded_reference_and_the_fp32_bound(lib, fmt, rows, n, blocks_per_row):
-    k = 32 * blocks_per_row
+    k = _block_weights(fmt) * blocks_per_row
     blocks = _blocks(fmt, n, k, seed=rows + n)
     x = _x(rows, k, seed=n)
     y = KQuantGemv(lib, torch.from_numpy(blocks), fmt, k, int8_activations=True)(x).double().numpy()
@@ -70,7 +74,7 @@ def test_matches_the_rounded_reference_and_the_fp32_bound(lib, fmt, rows, n, blo
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
 def test_paths_rows_and_threads_give_the_same_bits(lib, fmt):
-    k, n = 32 * 5, 19
+    k, n = _block_weights(fmt) * 5, 19
     blocks = torch.from_numpy(_blocks(fmt, n, k, seed=3))
     x = _x(7, k, seed=4)
     paths = available_isas(lib, int8_activations=True)
@@ -96,11 +100,11 @@ def test_vector_path_is_built_here(lib):
 
 
 def test_refusals_and_fallbacks(lib):
-    blocks = torch.from_numpy(_blocks("Q4_K", 4, 256))
-    with pytest.raises(ValueError, match="fmt: Q4_K has no GEMV over 8-bit activations"):
-        KQuantGemv(lib, blocks, "Q4_K", 256, int8_activations=True)
+    blocks = torch.from_numpy(_blocks("Q2_K", 4, 256))
+    with pytest.raises(ValueError, match="fmt: Q2_K has no GEMV over 8-bit activations"):
+        KQuantGemv(lib, blocks, "Q2_K", 256, int8_activations=True)
     # create() keeps fp32 activations for the formats the switch does not cover (a K-quant mix's parts)
-    gemv = KQuantGemv.create(lib, blocks, "Q4_K", 256, int8_activations=True)
+    gemv = KQuantGemv.create(lib, blocks, "Q2_K", 256, int8_activations=True)
     assert gemv is not None and not gemv.int8_activations
     with pytest.raises(ValueError, match="isa: 'avx512' is not built"):
         KQuantGemv(lib, torch.from_numpy(_blocks("Q8_0", 4, 64)), "Q8_0", 64, isa="avx512", int8_activations=True)

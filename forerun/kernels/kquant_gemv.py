@@ -5,7 +5,7 @@ weight is expanded in registers to exactly the fp32 value gguf's dequantizer giv
 fp32 activations, so the result is fp32 `x @ W.T` over the dequantized weights up to the order of the
 sums. That order is fixed per output, so a row's result never depends on the other rows passed with
 it nor on the thread count.
-With `int8_activations` the legacy formats (INT8_FORMATS) run `csrc/gemv_q8.c` instead: x is rounded
+With `int8_activations` the formats in INT8_FORMATS run `csrc/gemv_q8.c` instead: x is rounded
 to 8 bits per block of 32 and multiplied in integers, as llama.cpp does, faster at one row and no
 longer the fp32 result (within about 2^-8 of it); its order of sums is fixed too.
 Choosing this kernel over stock PyTorch (and falling back) is the caller's job.
@@ -36,7 +36,7 @@ FORMATS: dict[str, BlockFormat] = {
     name: BlockFormat(QUANT_FORMATS[name].ggml_type, QUANT_FORMATS[name].block_size, QUANT_FORMATS[name].block_bytes)
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 # The formats the 8-bit-activation GEMV reads (the others keep fp32 activations under the switch).
-INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # The kernel's paths: "auto" takes the widest one built for this CPU; the others exist to test them.
 ISAS: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 

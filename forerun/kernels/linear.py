@@ -127,7 +127,7 @@ class LinearPlan:
     lib: ctypes.CDLL | None = None
     dense_copy: bool = False
     ordered_rows: int = 0  # batch-invariant bf16: GGUF blocks of inputs up to this many rows on the ordered GEMV
-    int8_activations: bool = False  # GGUF blocks' GEMV rounds its input to 8 bits (legacy formats; not exact)
+    int8_activations: bool = False  # GGUF blocks' GEMV rounds its input to 8 bits (INT8_FORMATS; not exact)
     # Batch-invariant mode: dense matrices run `kernel` alone (fp32 'native': one order at every row count);
     # GGUF blocks keep their GEMV, whose order the lane matmul shares (bf16: the ordered pair instead).
     invariant: bool = False

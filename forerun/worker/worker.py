@@ -157,7 +157,7 @@ class Worker:
                 if gemv_rows and self.rank == 0:
                     logger.info("matmuls of up to %d rows read compact weights in %s arithmetic (%d of %d "
                                 "matmuls have an exact compact form)", gemv_rows,
-                                "int8 (legacy GGUF formats) or fp32" if config.int8_activations else "fp32",
+                                "int8 (GGUF formats with an int8 GEMV) or fp32" if config.int8_activations else "fp32",
                                 on_gemv, total)
             # Batch-invariant mode keeps the one-call step in fp32 only: it runs fp32 between ops, which
             # the module path matches in fp32 (bit for bit), but not in bf16 (it rounds after each op).

@@ -1,6 +1,6 @@
-/* y = x W^T for a few rows, with x rounded to 8-bit integers per block of 32, against the legacy GGUF
- * blocks as the file stores them: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL. This is the engine's
- * `int8_activations` switch, off by default.
+/* y = x W^T for a few rows, with x rounded to 8-bit integers per block of 32, against GGUF blocks as
+ * the file stores them: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and the K-quants Q3_K, Q4_K, Q5_K, Q6_K.
+ * This is the engine's `int8_activations` switch, off by default.
  *
  * Why: at one decode row the fp32 block GEMV (gemv_kquant.c) is bound by expanding each weight to
  * fp32, not by reading it. Here the weight's small integer codes multiply x's 8-bit codes in integers
@@ -11,20 +11,21 @@
  * Arithmetic, the same on both paths (portable; AVX2, with AVX-512 VNNI's dot product where the CPU
  * has it), so the paths are bit-equal:
  * - x, per block of 32: dx = max|x| / 127, q = x * (1 / dx) rounded to the nearest integer, ties to
- *   even (dx = 0: q = 0).
- * - A block's 32 weights are 8 lanes of 4 consecutive weights. The weight's signed code s (Q4_0:
- *   q - 8, Q5_0: q - 16, Q4_1 / Q5_1: q, Q8_0: q, IQ4_NL: its level), so w = d s (+ m); a lane's
- *   integer P = sum of s q over its 4 weights, exact.
- * - Each output keeps 16 fp32 lanes: block b's 8 lanes go to lanes 0-7 when b is even, 8-15 when odd
+ *   even (dx = 0: q = 0) (q8_activations.h).
+ * - The 32 weights x's block meets are two runs of 16 (gguf_blocks.h), each with its map w = a s + b,
+ *   s the weight's signed integer; they are 8 lanes of 4 consecutive weights, and a lane's integer
+ *   P = sum of s q over its 4 weights is exact.
+ * - Each output keeps 16 fp32 lanes: x's block b goes to lanes 0-7 when b is even, 8-15 when odd
  *   (two chains, so consecutive blocks do not wait on each other's add). A lane adds
- *   fma((float)P, d * dx, acc). The 16 lanes are added as sum_tree.h's fixed tree.
- * - Q4_1 / Q5_1 also add the minimum's term m * dx * (sum of the block's 32 q): two fp32 sums, even and
- *   odd blocks, each fma(m, dx * (float)sum, s) in block order; y = tree + (s_even + s_odd).
+ *   fma((float)P, a * dx, acc), a its run's scale. The 16 lanes are added as sum_tree.h's fixed tree.
+ * - The formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K: one b for the 32 weights) also add
+ *   b * dx * (sum of the block's 32 q): two fp32 sums, even and odd blocks, each
+ *   fma(b, dx * (float)sum, s) in block order; y = tree + (s_even + s_odd).
  * The order depends on nothing but k, so a row's result does not depend on the other rows.
  *
- * x [rows, k] fp32; w [n, stride] bytes (rows of blocks, each row k / 32 blocks); y [rows, n], rows
+ * x [rows, k] fp32; w [n, stride] bytes (rows of blocks of 32 or 256 weights); y [rows, n], rows
  * ldy apart. Weight rows are split over the caller's OpenMP threads; each weight row is decoded once
- * for up to 4 rows of x. The vector path works on 256-bit vectors: a block is one register, and at
+ * for up to 4 rows of x. The vector path works on 256-bit vectors: 32 weights are one register, and at
  * 256 bits these CPUs issue integer and shuffle work on three ports, at 512 on two.
  */
 #include <stdlib.h>
@@ -38,10 +39,12 @@ enum { QK = 32, LANES = 16, TILE = 4 };
 #define PREFETCH_AHEAD 4096
 #endif
 
-/* The formats this file reads. */
+/* The formats this file reads: those whose runs of 16 share a map per 32 weights, or have no
+ * minimum (Q2_K's minimum changes every 16 weights, and IQ4_XS's runs of one sub-block decode with
+ * different shifts). */
 static inline int q8_format(int fmt) {
     return fmt == GGML_Q4_0 || fmt == GGML_Q4_1 || fmt == GGML_Q5_0 || fmt == GGML_Q5_1 || fmt == GGML_Q8_0 ||
-           fmt == GGML_IQ4_NL;
+           fmt == GGML_IQ4_NL || fmt == GGML_Q3_K || fmt == GGML_Q4_K || fmt == GGML_Q5_K || fmt == GGML_Q6_K;
 }
 
 /* What the unsigned code u the vector paths build exceeds s by: u = s + offset, 0 <= u < 256 (the
@@ -50,7 +53,12 @@ static inline int code_offset(int fmt) {
     return fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL ? 128 : offset_of(fmt);
 }
 
-static inline int has_min(int fmt) { return fmt == GGML_Q4_1 || fmt == GGML_Q5_1; }
+static inline int has_min(int fmt) {
+    return fmt == GGML_Q4_1 || fmt == GGML_Q5_1 || fmt == GGML_Q4_K || fmt == GGML_Q5_K;
+}
+
+/* Whether the two runs of 16 in a block of 32 have maps of their own (Q3_K, Q6_K). */
+static inline int map_a_run(int fmt) { return map_of(fmt, 0) != map_of(fmt, 1); }
 
 /* Where a block's 16 bytes of nibbles (Q8_0: 32 bytes of codes) start, and its 32 high bits (Q5_*). */
 static inline int qs_at(int fmt) {
@@ -63,76 +71,33 @@ static inline int qs_at(int fmt) {
 }
 static inline int qh_at(int fmt) { return fmt == GGML_Q5_1 ? 4 : 2; }
 
-/* x quantized, one row after the other: q [k] codes; per block: dx and sx = dx * (float)(sum of its q);
- * per lane of 4: ol = offset * (sum of the lane's q) (what unsigned codes add to P on the VNNI path). */
-typedef struct {
-    int8_t *q;
-    float *dx, *sx;
-    int32_t *ol;
-} qx_t;
-
-static void free_x(qx_t *qx) {
-    free(qx->q);
-    free(qx->dx);
-    free(qx->sx);
-    free(qx->ol);
-}
-
-/* `isa`: the path about to run; the portable one rounds with the portable code, so that the paths'
- * bit-equality test covers the rounding too. */
-static int quantize_x(const float *x, int64_t rows, int64_t k, int offset, int isa, qx_t *out) {
-    const int64_t blocks = rows * k / QK;
-    out->q = malloc((size_t)(rows * k));
-    out->dx = malloc(sizeof(float) * (size_t)blocks);
-    out->sx = malloc(sizeof(float) * (size_t)blocks);
-    out->ol = malloc(sizeof(int32_t) * (size_t)blocks * 8);
-    if (!out->q || !out->dx || !out->sx || !out->ol) return -1;
-    for (int64_t b = 0; b < blocks; b++) {
-        int32_t *lane = out->ol + b * 8;
-        const int sum = isa == ISA_SCALAR ? q8_block_scalar(x + b * QK, out->q + b * QK, &out->dx[b], lane)
-                                          : q8_block(x + b * QK, out->q + b * QK, &out->dx[b], lane);
-        for (int l = 0; l < 8; l++) lane[l] *= offset;
-        out->sx[b] = out->dx[b] * (float)sum;
-    }
-    return 0;
-}
-
-/* Weight i (0..31) of a block as its signed code s. */
-static inline int code_of(int fmt, const uint8_t *blk, int i) {
-    const uint8_t *qs = blk + qs_at(fmt);
-    if (fmt == GGML_Q8_0) return (int8_t)qs[i];
-    const int nib = i < 16 ? qs[i] & 0xF : qs[i - 16] >> 4;
-    if (fmt == GGML_IQ4_NL) return IQ4_LEVELS[nib];
-    int u = nib;
-    if (fmt == GGML_Q5_0 || fmt == GGML_Q5_1) {
-        uint32_t qh;
-        memcpy(&qh, blk + qh_at(fmt), 4);
-        u |= (int)((qh >> i) & 1u) << 4;
-    }
-    return u - offset_of(fmt);
-}
-
 /* The two minimum sums added to the 16 lanes' tree, as the file's comment says. */
 static inline float finish(int fmt, float tree, const float ms[2]) { return has_min(fmt) ? tree + (ms[0] + ms[1]) : tree; }
 
 /* Portable path: one weight row against every row of x. */
 static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
                         int64_t rows, int64_t k, int64_t n, int nthreads) {
-    const int bs = block_bytes(fmt), nb = (int)(k / QK);
+    const int bs = block_bytes(fmt), per = block_weights(fmt) / QK, nb = (int)(k / QK);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t j = 0; j < n; j++)
         for (int64_t r = 0; r < rows; r++) {
-            float acc[LANES] = {0.f}, ms[2] = {0.f, 0.f};
-            for (int b = 0; b < nb; b++) {
-                const uint8_t *blk = w + j * stride + (int64_t)b * bs;
+            float acc[LANES] = {0.f}, ms[2] = {0.f, 0.f}, a[16], bm[16];
+            for (int b = 0; b < nb; b++) { /* x's block b: weights 32 (b % per) .. of weight block b / per */
+                const uint8_t *blk = w + j * stride + (int64_t)(b / per) * bs;
+                const int v = 2 * (b % per);
                 const int8_t *q = qx->q + r * k + (int64_t)b * QK;
-                const float scale = half(blk) * qx->dx[r * nb + b];
+                const float dx = qx->dx[r * nb + b];
+                int32_t c[32];
+                block_maps(fmt, blk, a, bm);
+                ints16(fmt, blk, v, c);
+                ints16(fmt, blk, v + 1, c + 16);
                 for (int l = 0; l < 8; l++) {
                     int32_t p = 0;
-                    for (int i = 4 * l; i < 4 * l + 4; i++) p += code_of(fmt, blk, i) * q[i];
+                    for (int i = 4 * l; i < 4 * l + 4; i++) p += c[i] * q[i];
+                    const float scale = a[map_of(fmt, v + l / 4)] * dx;
                     acc[8 * (b & 1) + l] = fmaf((float)p, scale, acc[8 * (b & 1) + l]);
                 }
-                if (has_min(fmt)) ms[b & 1] = fmaf(half(blk + 2), qx->sx[r * nb + b], ms[b & 1]);
+                if (has_min(fmt)) ms[b & 1] = fmaf(bm[map_of(fmt, v)], qx->sx[r * nb + b], ms[b & 1]);
             }
             y[r * ldy + j] = finish(fmt, tree16(acc), ms);
         }
@@ -143,9 +108,20 @@ static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t strid
 #define HAVE_VNNI 1
 #endif
 
-/* A block's 32 codes in weight order: unsigned u = s + code_offset for the nibble formats, signed s
- * for Q8_0 and IQ4_NL. */
-static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const uint8_t *blk) {
+/* The 32 codes of weights 32j .. 32j + 31 of a block in weight order: unsigned u = s + code_offset for
+ * the nibble and K formats, signed s for Q8_0 and IQ4_NL. */
+static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const uint8_t *blk, int j) {
+    if (block_weights(fmt) == 256) { /* runs 2j and 2j + 1 lie in 32 consecutive bytes, with one shift */
+        const Run r = run_of(fmt, blk, 2 * j);
+        __m256i u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)r.lo), r.ls),
+                                     _mm256_set1_epi8((char)r.lm));
+        if (r.hi) {
+            const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)r.hi), r.hs),
+                                               _mm256_set1_epi8((char)r.hm));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(h, r.hu));
+        }
+        return u;
+    }
     const uint8_t *qs = blk + qs_at(fmt);
     if (fmt == GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)qs);
     /* The 16 bytes in both halves (a load), the high half shifted by 4: low nibbles then high ones. */
@@ -187,31 +163,54 @@ static inline __attribute__((always_inline)) __m256i lane_dots(int fmt, __m256i 
     return code_offset(fmt) ? _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol)) : p;
 }
 
+/* x's block xb (of each of the RB rows) against c, the 32 codes of its weights (maps a0 for lanes 0-3, a1
+ * for 4-7; minimum bm), into chain h. */
+static inline __attribute__((always_inline)) void add_block_avx2(int fmt, int RB, const qx_t *qx, const int64_t xr[],
+                                                                 int64_t nb, int64_t xb, __m256i c, float a0, float a1,
+                                                                 float bm, int h, __m256 acc[][2], float ms[][2]) {
+    for (int r = 0; r < RB; r++) {
+        const int64_t at = xr[r] * nb + xb;
+        const float dx = qx->dx[at];
+        const __m256i p = lane_dots(fmt, c, _mm256_loadu_si256((const __m256i *)(qx->q + at * QK)), qx->ol + at * 8);
+        const __m256 scale = map_a_run(fmt) ? _mm256_setr_m128(_mm_set1_ps(a0 * dx), _mm_set1_ps(a1 * dx))
+                                            : _mm256_set1_ps(a0 * dx);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][h]);
+        if (has_min(fmt)) ms[r][h] = fmaf(bm, qx->sx[at], ms[r][h]);
+    }
+}
+
 /* One weight row against RB rows of x; out[r] its output. */
 static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, const qx_t *qx, const int64_t xr[],
                                                            const uint8_t *wrow, int64_t k, float out[]) {
-    const int bs = block_bytes(fmt), nb = (int)(k / QK);
+    const int bs = block_bytes(fmt);
+    const int64_t nb = k / QK;
     __m256 acc[TILE][2];
     float ms[TILE][2];
     for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), ms[r][0] = ms[r][1] = 0.f;
-    /* Even and odd blocks in turn, so that each names its chain at compile time (a chain picked at run
-     * time is kept in memory, and every add then waits on a store). */
-    for (int b = 0; b < nb; b += 2) {
-        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-            if (b + h >= nb) break;
-            const uint8_t *blk = wrow + (int64_t)(b + h) * bs;
-            /* Weights stream from memory: ask for them PREFETCH_AHEAD bytes early (past the row's end this
-             * is the next row, which this thread takes next; a prefetch never faults). */
-            _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
-            const __m256i c = codes_avx2(fmt, blk);
-            const float d = half(blk), m = has_min(fmt) ? half(blk + 2) : 0.f;
-            for (int r = 0; r < RB; r++) {
-                const int64_t xb = xr[r] * nb + b + h;
-                const __m256i p = lane_dots(fmt, c, _mm256_loadu_si256((const __m256i *)(qx->q + xb * QK)),
-                                            qx->ol + xb * 8);
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * qx->dx[xb]), acc[r][h]);
-                if (has_min(fmt)) ms[r][h] = fmaf(m, qx->sx[xb], ms[r][h]);
+    if (block_weights(fmt) == QK) {
+        /* Even and odd blocks in turn, so that each names its chain at compile time (a chain picked at
+         * run time is kept in memory, and every add then waits on a store). */
+        for (int64_t b = 0; b < nb; b += 2) {
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                if (b + h >= nb) break;
+                const uint8_t *blk = wrow + (b + h) * bs;
+                /* Weights stream from memory: ask for them PREFETCH_AHEAD bytes early (past the row's end
+                 * this is the next row, which this thread takes next; a prefetch never faults). */
+                _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
+                const float d = half(blk);
+                add_block_avx2(fmt, RB, qx, xr, nb, b + h, codes_avx2(fmt, blk, 0), d, d,
+                               has_min(fmt) ? half(blk + 2) : 0.f, h, acc, ms);
             }
+        }
+    } else {
+        float a[16], bm[16];
+        for (int64_t sb = 0; sb < nb / 8; sb++) { /* super-blocks of 256: x's blocks 8 sb .. 8 sb + 7 */
+            const uint8_t *blk = wrow + sb * bs;
+            for (int o = 0; o < bs; o += 64) _mm_prefetch((const char *)blk + PREFETCH_AHEAD + o, _MM_HINT_T0);
+            block_maps_avx2(fmt, blk, a, bm);
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                add_block_avx2(fmt, RB, qx, xr, nb, 8 * sb + j, codes_avx2(fmt, blk, j), a[map_of(fmt, 2 * j)],
+                               a[map_of(fmt, 2 * j + 1)], bm[map_of(fmt, 2 * j)], j & 1, acc, ms);
         }
     }
     for (int r = 0; r < RB; r++) out[r] = finish(fmt, tree8_avx(_mm256_add_ps(acc[r][0], acc[r][1])), ms[r]);
@@ -231,7 +230,11 @@ static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, cons
             case GGML_Q5_0: { enum { F = GGML_Q5_0 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
             case GGML_Q5_1: { enum { F = GGML_Q5_1 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
             case GGML_Q8_0: { enum { F = GGML_Q8_0 }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
-            default: { enum { F = GGML_IQ4_NL }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break;      \
+            case GGML_IQ4_NL: { enum { F = GGML_IQ4_NL }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            case GGML_Q3_K: { enum { F = GGML_Q3_K }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            case GGML_Q4_K: { enum { F = GGML_Q4_K }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            case GGML_Q5_K: { enum { F = GGML_Q5_K }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break; \
+            default: { enum { F = GGML_Q6_K }; ROW_RB(ROW, F, rb, __VA_ARGS__); } break;        \
         }                                                                                       \
     } while (0)
 
@@ -272,7 +275,7 @@ int gemv_q8_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fm
     if (isa < 0) return -2;
     if (rows == 0 || n == 0) return 0;
     qx_t qx;
-    if (quantize_x(x, rows, k, code_offset(fmt), isa, &qx) != 0) {
+    if (quantize_x(x, rows, k, code_offset(fmt), isa == ISA_SCALAR, &qx) != 0) {
         free_x(&qx);
         return -3;
     }

@@ -12,6 +12,7 @@
 #define FORERUN_Q8_ACTIVATIONS_H
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -74,4 +75,39 @@ static inline int q8_block_avx2(const float *x, int8_t *q, float *d, int32_t lan
 #else
 #define q8_block q8_block_scalar
 #endif
+
+/* x quantized, one row after the other: q [k] codes; per block: dx and sx = dx * (float)(sum of its q);
+ * per lane of 4: ol = offset * (sum of the lane's q) (what unsigned codes add to P on the VNNI path). */
+typedef struct {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *ol;
+} qx_t;
+
+static void free_x(qx_t *qx) {
+    free(qx->q);
+    free(qx->dx);
+    free(qx->sx);
+    free(qx->ol);
+}
+
+/* x [rows, k] quantized into `out` (free_x frees it; -1 when memory runs out). `offset`: the format's
+ * code offset, for ol. `portable`: round with the portable code (the GEMV's portable path does, so that
+ * the paths' bit-equality test covers the rounding too). */
+static int quantize_x(const float *x, int64_t rows, int64_t k, int offset, int portable, qx_t *out) {
+    const int64_t blocks = rows * k / Q8_BLOCK;
+    out->q = malloc((size_t)(rows * k));
+    out->dx = malloc(sizeof(float) * (size_t)blocks);
+    out->sx = malloc(sizeof(float) * (size_t)blocks);
+    out->ol = malloc(sizeof(int32_t) * (size_t)blocks * 8);
+    if (!out->q || !out->dx || !out->sx || !out->ol) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        int32_t *lane = out->ol + b * 8;
+        const int sum = portable ? q8_block_scalar(x + b * Q8_BLOCK, out->q + b * Q8_BLOCK, &out->dx[b], lane)
+                                          : q8_block(x + b * Q8_BLOCK, out->q + b * Q8_BLOCK, &out->dx[b], lane);
+        for (int l = 0; l < 8; l++) lane[l] *= offset;
+        out->sx[b] = out->dx[b] * (float)sum;
+    }
+    return 0;
+}
 #endif
