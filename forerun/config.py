@@ -123,8 +123,8 @@ class EngineConfig:
     # GGUF quantized matrices: False keeps only the file's blocks; True adds a dense copy in the engine's
     # dtype for batched steps (more memory, faster where the block matmul is slower).
     dense_weights: bool = False
-    # GGUF legacy formats (Q4_0..Q8_0, IQ4_NL): True rounds the input of each small-batch matmul to 8 bits
-    # per 32 values and multiplies in integers, as llama.cpp does: faster at one request, not exact.
+    # GGUF files (Q4_0..Q8_0, IQ4_NL, Q3_K..Q6_K): True rounds the input of each small-batch matmul to 8
+    # bits per 32 values and multiplies in integers, as llama.cpp does: faster at one request, not exact.
     int8_activations: bool = False
     trace: bool = False  # record the step timeline
     # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.

@@ -123,9 +123,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "on for GGUF files where the probe finds it within 5%% of the fastest batched matmuls "
                         "on this CPU, off elsewhere)")
     g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
-                   help="CPU, GGUF files in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL: small decode steps round "
-                        "each matmul's input to 8 bits per 32 values and multiply in integers, as llama.cpp "
-                        "does (faster at one request; results no longer equal the fp32 model's, see "
+                   help="CPU, GGUF matrices in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL or Q3_K..Q6_K: small "
+                        "decode steps round each matmul's input to 8 bits per 32 values and multiply in integers, "
+                        "as llama.cpp does (faster at one request; results no longer equal the fp32 model's, see "
                         f"docs/cpu-kernels.md) (default: {_on_off(d.int8_activations)})")
     return parser
 

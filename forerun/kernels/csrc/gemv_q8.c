@@ -19,8 +19,10 @@
  *   (two chains, so consecutive blocks do not wait on each other's add). A lane adds
  *   fma((float)P, a * dx, acc), a its run's scale. The 16 lanes are added as sum_tree.h's fixed tree.
  * - The formats with a minimum (Q4_1, Q5_1, Q4_K, Q5_K: one b for the 32 weights) also add
- *   b * dx * (sum of the block's 32 q): two fp32 sums, even and odd blocks, each
- *   fma(b, dx * (float)sum, s) in block order; y = tree + (s_even + s_odd).
+ *   b * dx * (sum of the block's 32 q), each as fma(b, dx * (float)sum, s) in block order into one of
+ *   several fp32 sums. Q4_1 / Q5_1: two sums, even and odd blocks; y = tree + (s_even + s_odd).
+ *   Q4_K / Q5_K: eight, one per sub-block of the super-block (the AVX2 path adds a super-block's 8
+ *   terms with one vector fma); y = tree + the 8 sums added as sum_tree.h's tree8.
  * The order depends on nothing but k, so a row's result does not depend on the other rows.
  *
  * x [rows, k] fp32; w [n, stride] bytes (rows of blocks of 32 or 256 weights); y [rows, n], rows
@@ -72,7 +74,10 @@ static inline int qs_at(int fmt) {
 static inline int qh_at(int fmt) { return fmt == GGML_Q5_1 ? 4 : 2; }
 
 /* The two minimum sums added to the 16 lanes' tree, as the file's comment says. */
-static inline float finish(int fmt, float tree, const float ms[2]) { return has_min(fmt) ? tree + (ms[0] + ms[1]) : tree; }
+static inline float finish(int fmt, float tree, const float ms[8]) {
+    if (!has_min(fmt)) return tree;
+    return block_weights(fmt) == QK ? tree + (ms[0] + ms[1]) : tree + tree8(ms);
+}
 
 /* Portable path: one weight row against every row of x. */
 static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
@@ -81,7 +86,7 @@ static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t strid
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t j = 0; j < n; j++)
         for (int64_t r = 0; r < rows; r++) {
-            float acc[LANES] = {0.f}, ms[2] = {0.f, 0.f}, a[16], bm[16];
+            float acc[LANES] = {0.f}, ms[8] = {0.f}, a[16], bm[16];
             for (int b = 0; b < nb; b++) { /* x's block b: weights 32 (b % per) .. of weight block b / per */
                 const uint8_t *blk = w + j * stride + (int64_t)(b / per) * bs;
                 const int v = 2 * (b % per);
@@ -97,7 +102,8 @@ static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t strid
                     const float scale = a[map_of(fmt, v + l / 4)] * dx;
                     acc[8 * (b & 1) + l] = fmaf((float)p, scale, acc[8 * (b & 1) + l]);
                 }
-                if (has_min(fmt)) ms[b & 1] = fmaf(bm[map_of(fmt, v)], qx->sx[r * nb + b], ms[b & 1]);
+                const int chain = per == 1 ? b & 1 : b % per;
+                if (has_min(fmt)) ms[chain] = fmaf(bm[map_of(fmt, v)], qx->sx[r * nb + b], ms[chain]);
             }
             y[r * ldy + j] = finish(fmt, tree16(acc), ms);
         }
@@ -163,19 +169,15 @@ static inline __attribute__((always_inline)) __m256i lane_dots(int fmt, __m256i 
     return code_offset(fmt) ? _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol)) : p;
 }
 
-/* x's block xb (of each of the RB rows) against c, the 32 codes of its weights (maps a0 for lanes 0-3, a1
- * for 4-7; minimum bm), into chain h. */
+/* x's block xb (of each of the RB rows) against c, the 32 codes of its weights, each row's lanes scaled
+ * by scale[r], into chain h. */
 static inline __attribute__((always_inline)) void add_block_avx2(int fmt, int RB, const qx_t *qx, const int64_t xr[],
-                                                                 int64_t nb, int64_t xb, __m256i c, float a0, float a1,
-                                                                 float bm, int h, __m256 acc[][2], float ms[][2]) {
+                                                                 int64_t nb, int64_t xb, __m256i c,
+                                                                 const __m256 scale[], int h, __m256 acc[][2]) {
     for (int r = 0; r < RB; r++) {
         const int64_t at = xr[r] * nb + xb;
-        const float dx = qx->dx[at];
         const __m256i p = lane_dots(fmt, c, _mm256_loadu_si256((const __m256i *)(qx->q + at * QK)), qx->ol + at * 8);
-        const __m256 scale = map_a_run(fmt) ? _mm256_setr_m128(_mm_set1_ps(a0 * dx), _mm_set1_ps(a1 * dx))
-                                            : _mm256_set1_ps(a0 * dx);
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][h]);
-        if (has_min(fmt)) ms[r][h] = fmaf(bm, qx->sx[at], ms[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale[r], acc[r][h]);
     }
 }
 
@@ -184,9 +186,12 @@ static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, cons
                                                            const uint8_t *wrow, int64_t k, float out[]) {
     const int bs = block_bytes(fmt);
     const int64_t nb = k / QK;
-    __m256 acc[TILE][2];
-    float ms[TILE][2];
-    for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), ms[r][0] = ms[r][1] = 0.f;
+    __m256 acc[TILE][2], scale[TILE];
+    float ms[TILE][8];
+    for (int r = 0; r < RB; r++) {
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int l = 0; l < 8; l++) ms[r][l] = 0.f;
+    }
     if (block_weights(fmt) == QK) {
         /* Even and odd blocks in turn, so that each names its chain at compile time (a chain picked at
          * run time is kept in memory, and every add then waits on a store). */
@@ -198,20 +203,47 @@ static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, cons
                  * this is the next row, which this thread takes next; a prefetch never faults). */
                 _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
                 const float d = half(blk);
-                add_block_avx2(fmt, RB, qx, xr, nb, b + h, codes_avx2(fmt, blk, 0), d, d,
-                               has_min(fmt) ? half(blk + 2) : 0.f, h, acc, ms);
+                for (int r = 0; r < RB; r++) {
+                    const int64_t at = xr[r] * nb + b + h;
+                    scale[r] = _mm256_set1_ps(d * qx->dx[at]);
+                    if (has_min(fmt)) ms[r][h] = fmaf(half(blk + 2), qx->sx[at], ms[r][h]);
+                }
+                add_block_avx2(fmt, RB, qx, xr, nb, b + h, codes_avx2(fmt, blk, 0), scale, h, acc);
             }
         }
     } else {
         float a[16], bm[16];
+        __m256 msv[TILE], sv[TILE][2];
+        for (int r = 0; r < RB; r++) msv[r] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nb / 8; sb++) { /* super-blocks of 256: x's blocks 8 sb .. 8 sb + 7 */
             const uint8_t *blk = wrow + sb * bs;
             for (int o = 0; o < bs; o += 64) _mm_prefetch((const char *)blk + PREFETCH_AHEAD + o, _MM_HINT_T0);
             block_maps_avx2(fmt, blk, a, bm);
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
-                add_block_avx2(fmt, RB, qx, xr, nb, 8 * sb + j, codes_avx2(fmt, blk, j), a[map_of(fmt, 2 * j)],
-                               a[map_of(fmt, 2 * j + 1)], bm[map_of(fmt, 2 * j)], j & 1, acc, ms);
+            /* Each row's 8 blocks' scales a dx at once (a run's own map: its 16 runs' a against dx
+             * repeated), and the minimum's 8 terms, lane j for sub-block j. */
+            for (int r = 0; r < RB; r++) {
+                const int64_t at = xr[r] * nb + 8 * sb;
+                const __m256 dx = _mm256_loadu_ps(qx->dx + at);
+                if (map_a_run(fmt)) {
+                    const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+                    sv[r][0] = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_permutevar8x32_ps(dx, lo));
+                    sv[r][1] = _mm256_mul_ps(_mm256_loadu_ps(a + 8),
+                                             _mm256_permutevar8x32_ps(dx, _mm256_add_epi32(lo, _mm256_set1_epi32(4))));
+                } else {
+                    sv[r][0] = _mm256_mul_ps(_mm256_loadu_ps(a), dx);
+                }
+                if (has_min(fmt)) msv[r] = _mm256_fmadd_ps(_mm256_loadu_ps(bm), _mm256_loadu_ps(qx->sx + at), msv[r]);
+            }
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+                /* block j's lanes: scale j; with a map a run, run 2j's for lanes 0-3 and 2j + 1's for 4-7 */
+                const int e = 2 * (j % 4);
+                const __m256i pick = map_a_run(fmt) ? _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1)
+                                                    : _mm256_set1_epi32(j);
+                for (int r = 0; r < RB; r++) scale[r] = _mm256_permutevar8x32_ps(sv[r][map_a_run(fmt) ? j / 4 : 0], pick);
+                add_block_avx2(fmt, RB, qx, xr, nb, 8 * sb + j, codes_avx2(fmt, blk, j), scale, j & 1, acc);
+            }
         }
+        for (int r = 0; r < RB; r++) _mm256_storeu_ps(ms[r], msv[r]);
     }
     for (int r = 0; r < RB; r++) out[r] = finish(fmt, tree8_avx(_mm256_add_ps(acc[r][0], acc[r][1])), ms[r]);
 }

@@ -6,11 +6,17 @@
 #include <immintrin.h>
 #endif
 
-static inline float tree16(const float s[16]) {
-    float t8[8], t4[4];
-    for (int l = 0; l < 8; l++) t8[l] = s[l] + s[l + 8];
-    for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
+/* The tree's last three levels over 8 lanes (l + 4, then + 2, + 1). */
+static inline float tree8(const float s[8]) {
+    float t4[4];
+    for (int l = 0; l < 4; l++) t4[l] = s[l] + s[l + 4];
     return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+static inline float tree16(const float s[16]) {
+    float t8[8];
+    for (int l = 0; l < 8; l++) t8[l] = s[l] + s[l + 8];
+    return tree8(t8);
 }
 
 #if defined(__AVX2__)
