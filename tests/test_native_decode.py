@@ -95,7 +95,7 @@ def test_fused_step_runs_packed_layers_in_several_formats(tmp_path, monkeypatch,
     # As in SmolLM2's Q4_K_M file: q, k and v, and gate and up, are each in their own format, so the
     # packed matmuls are joined from one block GEMV a part, in C as in the module path. Batch-invariant
     # mode keeps the block GEMV (the lane matmul sums in its order) and never splits attention. With 8-bit
-    # activations the legacy parts (Q5_0, Q8_0, Q5_1) run that GEMV and the K-quant parts stay fp32.
+    # activations every part here runs that GEMV (its formats include these K-quants).
     path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
     kw: dict = {"default": {}, "invariant": {"batch_invariant": True, "gemv_max_rows": None},
                 "int8": {"int8_activations": True}}[mode]
