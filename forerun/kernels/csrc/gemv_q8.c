@@ -73,7 +73,7 @@ static inline int qs_at(int fmt) {
 }
 static inline int qh_at(int fmt) { return fmt == GGML_Q5_1 ? 4 : 2; }
 
-/* The two minimum sums added to the 16 lanes' tree, as the file's comment says. */
+/* The minimum's sums added to the 16 lanes' tree, as the file's comment says (two, or eight for the K-quants). */
 static inline float finish(int fmt, float tree, const float ms[8]) {
     if (!has_min(fmt)) return tree;
     return block_weights(fmt) == QK ? tree + (ms[0] + ms[1]) : tree + tree8(ms);
@@ -151,9 +151,9 @@ static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const u
 }
 
 /* 8 lanes of P = sum of s q over 4 weights. `c` as codes_avx2 gives it; `ol` the lanes' offset terms.
- * The nibble formats' unsigned codes (u < 32) multiply q directly (pairs of u q fit vpmaddubsw's 16
- * bits), and the offset's term is taken off after: three instructions where the signed form's sign
- * juggling takes five. The signed codes go through |s| and q given s's sign (|s| <= 128, |q| <= 127). */
+ * The unsigned codes (u < 64: the nibble and K formats) multiply q directly (pairs of u q fit
+ * vpmaddubsw's 16 bits), and the offset's term is taken off after: three instructions where the signed
+ * form's sign juggling takes five. The signed codes go through |s| and q given s's sign (|s| <= 128, |q| <= 127). */
 static inline __attribute__((always_inline)) __m256i lane_dots(int fmt, __m256i c, __m256i q, const int32_t *ol) {
     const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
 #if defined(HAVE_VNNI)
@@ -239,7 +239,8 @@ static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, cons
                 const int e = 2 * (j % 4);
                 const __m256i pick = map_a_run(fmt) ? _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1)
                                                     : _mm256_set1_epi32(j);
-                for (int r = 0; r < RB; r++) scale[r] = _mm256_permutevar8x32_ps(sv[r][map_a_run(fmt) ? j / 4 : 0], pick);
+                for (int r = 0; r < RB; r++)
+                    scale[r] = _mm256_permutevar8x32_ps(sv[r][map_a_run(fmt) ? j / 4 : 0], pick);
                 add_block_avx2(fmt, RB, qx, xr, nb, 8 * sb + j, codes_avx2(fmt, blk, j), scale, j & 1, acc);
             }
         }
