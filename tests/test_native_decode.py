@@ -166,6 +166,24 @@ def test_int8_activations_change_results_within_their_rounding(tmp_path):
     assert worst <= 0.1, f"logprobs differ by {worst:.2e}"
 
 
+def test_int8_activations_reach_every_part_whose_format_has_the_gemv(tmp_path, monkeypatch):
+    # Every block GEMV the engine builds for this file's formats (K-quants included) takes 8-bit
+    # activations when asked, and none otherwise (the tied head is Q8_0, so the logprob test above
+    # would pass with the K-quant parts left on fp32).
+    from forerun.kernels.kquant_gemv import KQuantGemv
+    built: list = []
+    init = KQuantGemv.__init__
+    monkeypatch.setattr(KQuantGemv, "__init__",
+                        lambda self, *a, **k: init(self, *a, **k) or built.append((self.fmt, self.int8_activations)))
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
+    for int8 in (True, False):
+        built.clear()
+        with LLM(model=str(path), dtype="float32", gemv_max_rows=4, int8_activations=int8, show_progress=False):
+            pass
+        assert {fmt for fmt, _ in built} >= {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+        assert all(on == int8 for _, on in built), built
+
+
 def test_no_fused_step_where_it_cannot_apply(tmp_path, smollm2_dir, caplog):
     folder = save_tiny_model(tmp_path / "qwen3", smollm2_dir, "qwen3", stored_dtype="bfloat16")
     with caplog.at_level(logging.INFO):
