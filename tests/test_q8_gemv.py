@@ -21,7 +21,7 @@ import torch
 
 from forerun.config import EngineConfig
 from forerun.kernels.build import load_native_library
-from forerun.kernels.kquant_gemv import INT8_FORMATS, KQuantGemv, available_isas
+from forerun.kernels.kquant_gemv import FORMATS, INT8_FORMATS, KQuantGemv, available_isas
 from forerun.loader.model_source import cache_dir
 from tests.test_kquant_gemv import _blocks, _reference
 
@@ -51,14 +51,10 @@ def _x(rows: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-def _block_weights(fmt: str) -> int:
-    return 256 if fmt.endswith("_K") else 32
-
-
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
 @pytest.mark.parametrize(("rows", "n", "blocks_per_row"), [(1, 37, 1), (3, 8, 3), (6, 13, 18)])
 def test_matches_the_rounded_reference_and_the_fp32_bound(lib, fmt, rows, n, blocks_per_row):
-    k = _block_weights(fmt) * blocks_per_row
+    k = FORMATS[fmt].weights * blocks_per_row
     blocks = _blocks(fmt, n, k, seed=rows + n)
     x = _x(rows, k, seed=n)
     y = KQuantGemv(lib, torch.from_numpy(blocks), fmt, k, int8_activations=True)(x).double().numpy()
@@ -74,7 +70,7 @@ def test_matches_the_rounded_reference_and_the_fp32_bound(lib, fmt, rows, n, blo
 
 @pytest.mark.parametrize("fmt", INT8_FORMATS)
 def test_paths_rows_and_threads_give_the_same_bits(lib, fmt):
-    k, n = _block_weights(fmt) * 5, 19
+    k, n = FORMATS[fmt].weights * 5, 19
     blocks = torch.from_numpy(_blocks(fmt, n, k, seed=3))
     x = _x(7, k, seed=4)
     paths = available_isas(lib, int8_activations=True)

@@ -93,7 +93,7 @@ static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t strid
                 const int8_t *q = qx->q + r * k + (int64_t)b * QK;
                 const float dx = qx->dx[r * nb + b];
                 int32_t c[32];
-                block_maps(fmt, blk, a, bm);
+                if (b % per == 0) block_maps(fmt, blk, a, bm); /* once a weight block */
                 ints16(fmt, blk, v, c);
                 ints16(fmt, blk, v + 1, c + 16);
                 for (int l = 0; l < 8; l++) {
@@ -117,17 +117,8 @@ static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t strid
 /* The 32 codes of weights 32j .. 32j + 31 of a block in weight order: unsigned u = s + code_offset for
  * the nibble and K formats, signed s for Q8_0 and IQ4_NL. */
 static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const uint8_t *blk, int j) {
-    if (block_weights(fmt) == 256) { /* runs 2j and 2j + 1 lie in 32 consecutive bytes, with one shift */
-        const Run r = run_of(fmt, blk, 2 * j);
-        __m256i u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)r.lo), r.ls),
-                                     _mm256_set1_epi8((char)r.lm));
-        if (r.hi) {
-            const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)r.hi), r.hs),
-                                               _mm256_set1_epi8((char)r.hm));
-            u = _mm256_or_si256(u, _mm256_slli_epi16(h, r.hu));
-        }
-        return u;
-    }
+    if (block_weights(fmt) == 256) /* runs 2j and 2j + 1 lie in 32 consecutive bytes, with one shift */
+        return byte_fields(run_of(fmt, blk, 2 * j), 1);
     const uint8_t *qs = blk + qs_at(fmt);
     if (fmt == GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)qs);
     /* The 16 bytes in both halves (a load), the high half shifted by 4: low nibbles then high ones. */

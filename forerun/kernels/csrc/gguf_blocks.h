@@ -278,14 +278,28 @@ static inline __attribute__((always_inline)) __m128i signed_bytes(int fmt, __m12
  * Q8_0's signed bytes). */
 static inline int unsigned_format(int fmt) { return fmt != GGML_Q8_0 && !iq4_format(fmt) && !offset_of(fmt); }
 
-/* Run v's 16 integers s as signed bytes, in both 128-bit lanes of a register, by byte-wise shifts and
- * masks of loaded bytes. 16-bit shifts move bits across bytes, but each mask keeps only bits that came
- * from the same byte. Both lanes, because the AVX2 path widens each lane's half in place (ints8_avx2). */
+/* Run r's unsigned fields as bytes, by byte-wise shifts and masks of loaded bytes, leaving out a
+ * bit-wise high part (r.bits: Q5_0, Q5_1's qh). 16-bit shifts move bits across bytes, but each mask
+ * keeps only bits that came from the same byte. `two_runs`: r's 16 bytes and the next 16 (the next
+ * run's, where its bytes follow with the same shifts, as a K-quant's runs 2j and 2j + 1 do), else r's
+ * 16 in both 128-bit lanes. */
+static inline __attribute__((always_inline)) __m256i byte_fields(Run r, int two_runs) {
+    const __m256i lo = two_runs ? _mm256_loadu_si256((const __m256i *)r.lo) : load16x2(r.lo);
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(lo, r.ls), _mm256_set1_epi8((char)r.lm));
+    if (r.hi && !r.bits) {
+        const __m256i hi = two_runs ? _mm256_loadu_si256((const __m256i *)r.hi) : load16x2(r.hi);
+        const __m256i h = _mm256_and_si256(_mm256_srli_epi16(hi, r.hs), _mm256_set1_epi8((char)r.hm));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(h, r.hu));
+    }
+    return q;
+}
+
+/* Run v's 16 integers s as signed bytes (with `fold`, its unsigned fields), in both 128-bit lanes of a
+ * register. Both lanes, because the AVX2 path widens each lane's half in place (ints8_avx2). */
 static inline __attribute__((always_inline)) __m256i fields16x2(int fmt, const uint8_t *blk, int v, int fold) {
     const Run r = run_of(fmt, blk, v);
-    __m256i q = load16x2(r.lo);
-    if (fmt == GGML_Q8_0) return q;
-    q = _mm256_and_si256(_mm256_srli_epi16(q, r.ls), _mm256_set1_epi8((char)r.lm));
+    if (fmt == GGML_Q8_0) return load16x2(r.lo);
+    __m256i q = byte_fields(r, 0);
     if (r.hi && r.bits) { /* byte i tests bit i % 8 of byte i / 8 of the two at hi */
         uint16_t two;
         memcpy(&two, r.hi, 2);
@@ -295,9 +309,6 @@ static inline __attribute__((always_inline)) __m256i fields16x2(int fmt, const u
         const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
         q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8((char)(1 << r.hu))));
-    } else if (r.hi) {
-        const __m256i h = _mm256_and_si256(_mm256_srli_epi16(load16x2(r.hi), r.hs), _mm256_set1_epi8((char)r.hm));
-        q = _mm256_or_si256(q, _mm256_slli_epi16(h, r.hu));
     }
     return fold ? q : signed_bytes2(fmt, q);
 }
