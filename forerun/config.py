@@ -123,9 +123,11 @@ class EngineConfig:
     # GGUF quantized matrices: False keeps only the file's blocks; True adds a dense copy in the engine's
     # dtype for batched steps (more memory, faster where the block matmul is slower).
     dense_weights: bool = False
-    # GGUF files (Q4_0..Q8_0, IQ4_NL, Q3_K..Q6_K): True rounds the input of each small-batch matmul to 8
-    # bits per 32 values and multiplies in integers, as llama.cpp does: faster at one request, not exact.
-    int8_activations: bool = False
+    # GGUF files (Q4_0..Q8_0, IQ4_NL, Q3_K..Q6_K): the input of each small-batch matmul in fp32 (32), or
+    # rounded to 16 or 8 bits per 32 values and multiplied in integers (8: as llama.cpp does; changes
+    # answers). None: 16 where dtype "auto" is measured, batch invariance is off and the probe finds it
+    # faster; else 32.
+    activation_bits: int | None = None
     trace: bool = False  # record the step timeline
     # N-gram speculative decoding: a SpeculativeConfig, a dict of its fields or a JSON string; None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
@@ -172,11 +174,12 @@ class EngineConfig:
             raise ValueError(f"enforce_eager: expected a bool, got {self.enforce_eager!r}")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant: expected a bool or None, got {self.batch_invariant!r}")
-        if not isinstance(self.int8_activations, bool):
-            raise ValueError(f"int8_activations: expected a bool, got {self.int8_activations!r}")
-        if self.batch_invariant and self.int8_activations:
-            raise ValueError("int8_activations: batch_invariant runs one matmul kernel for every row count, in "
-                             "fp32; 8-bit activations apply to small batches only")
+        if self.activation_bits is not None and (isinstance(self.activation_bits, bool)
+                                                 or self.activation_bits not in (32, 16, 8)):
+            raise ValueError(f"activation_bits: expected 32, 16, 8 or None, got {self.activation_bits!r}")
+        if self.batch_invariant and self.activation_bits in (16, 8):
+            raise ValueError("activation_bits: batch_invariant runs one matmul kernel for every row count, in "
+                             "fp32; integer activations apply to small batches only")
         if self.batch_invariant and (self.gemv_max_rows is not None or self.dense_weights):
             raise ValueError("batch_invariant: chooses its own matmuls; gemv_max_rows and dense_weights do not "
                              "apply with it")

@@ -67,7 +67,7 @@ def test_gguf_block_model_is_batch_invariant(tmp_path: Path, dtype: str) -> None
     ((False, 2.0), {}, "", False),  # bf16 block matmul faster: off, in bf16
     ((True, 1.0), {}, "bfloat16", False),  # bf16 pinned: off
     ((True, 1.0), {"batch_invariant": False}, "", False),
-    ((True, 1.0), {"int8_activations": True}, "", False),  # a setting it refuses keeps it off
+    ((True, 1.0), {"activation_bits": 8}, "", False),  # a setting it refuses keeps it off
     ((True, 1.0), {"gemv_max_rows": 4}, "", False),
 ])
 def test_batch_invariance_is_on_by_default_where_the_probe_finds_it_cheap(tmp_path: Path, monkeypatch, probe,

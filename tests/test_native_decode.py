@@ -90,15 +90,15 @@ def test_bf16_fused_step_matches_layer_by_layer_within_bf16_rounding(tmp_path, s
 MIX = (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q5_1, Q.Q6_K)
 
 
-@pytest.mark.parametrize("mode", ["default", "invariant", "int8"])
+@pytest.mark.parametrize("mode", ["default", "invariant", "int16", "int8"])
 def test_fused_step_runs_packed_layers_in_several_formats(tmp_path, monkeypatch, mode):
     # As in SmolLM2's Q4_K_M file: q, k and v, and gate and up, are each in their own format, so the
     # packed matmuls are joined from one block GEMV a part, in C as in the module path. Batch-invariant
-    # mode keeps the block GEMV (the lane matmul sums in its order) and never splits attention. With 8-bit
+    # mode keeps the block GEMV (the lane matmul sums in its order) and never splits attention. With integer
     # activations every part here runs that GEMV (its formats include these K-quants).
     path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
     kw: dict = {"default": {}, "invariant": {"batch_invariant": True, "gemv_max_rows": None},
-                "int8": {"int8_activations": True}}[mode]
+                "int16": {"activation_bits": 16}, "int8": {"activation_bits": 8}}[mode]
     if mode == "invariant":  # the mode measures its GEMV crossover (gemv_max_rows is refused): pin 4 rows
         monkeypatch.setattr("forerun.worker.worker.choose_gemv_rows", lambda *a, **k: (4, {}))
     eager, _ = _run(path, eager=True, **kw)
@@ -155,33 +155,36 @@ def test_whole_step_gives_greedy_sampling_the_argmax_of_its_logits(tmp_path):
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
 
 
-def test_int8_activations_change_results_within_their_rounding(tmp_path):
-    # The switch must act: 8-bit activations give other logprobs than fp32 (not bit-equal), yet close.
+def test_integer_activations_change_results_within_their_rounding(tmp_path):
+    # The setting must act: integer activations give other logprobs than fp32 (not bit-equal), yet
+    # close: 8 bits within 0.1, 16 bits within 1e-3 and far closer than 8.
     path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
     fp32, _ = _run(path, eager=False)
-    int8, _ = _run(path, eager=False, int8_activations=True)
-    assert int8 != fp32
-    worst, compared = _same_context_deviation(fp32, int8)
-    assert compared >= 40
-    assert worst <= 0.1, f"logprobs differ by {worst:.2e}"
+    worst = {}
+    for bits in (16, 8):
+        out, _ = _run(path, eager=False, activation_bits=bits)
+        assert out != fp32
+        worst[bits], compared = _same_context_deviation(fp32, out)
+        assert compared >= 40
+    assert worst[8] <= 0.1 and worst[16] <= 1e-3 and worst[16] * 20 < worst[8], worst
 
 
-def test_int8_activations_reach_every_part_whose_format_has_the_gemv(tmp_path, monkeypatch):
-    # Every block GEMV the engine builds for this file's formats (K-quants included) takes 8-bit
-    # activations when asked, and none otherwise (the tied head is Q8_0, so the logprob test above
-    # would pass with the K-quant parts left on fp32).
+def test_integer_activations_reach_every_part_whose_format_has_the_gemv(tmp_path, monkeypatch):
+    # Every block GEMV the engine builds for this file's formats (K-quants included) takes integer
+    # activations of the width asked, and none otherwise (the tied head is Q8_0, so the logprob test
+    # above would pass with the K-quant parts left on fp32).
     from forerun.kernels.kquant_gemv import KQuantGemv
     built: list = []
     init = KQuantGemv.__init__
     monkeypatch.setattr(KQuantGemv, "__init__",
-                        lambda self, *a, **k: init(self, *a, **k) or built.append((self.fmt, self.int8_activations)))
+                        lambda self, *a, **k: init(self, *a, **k) or built.append((self.fmt, self.activation_bits)))
     path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", MIX, seed=5)
-    for int8 in (True, False):
+    for bits in (16, 8, 32):
         built.clear()
-        with LLM(model=str(path), dtype="float32", gemv_max_rows=4, int8_activations=int8, show_progress=False):
+        with LLM(model=str(path), dtype="float32", gemv_max_rows=4, activation_bits=bits, show_progress=False):
             pass
         assert {fmt for fmt, _ in built} >= {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
-        assert all(on == int8 for _, on in built), built
+        assert all(got == bits for _, got in built), built
 
 
 def test_no_fused_step_where_it_cannot_apply(tmp_path, smollm2_dir, caplog):
@@ -201,8 +204,8 @@ def test_enforce_eager_flag_and_validation():
     import argparse
 
     parser = add_engine_args(argparse.ArgumentParser())
-    assert engine_config_from_args(parser.parse_args(["--int8-activations"])).int8_activations is True
-    assert engine_config_from_args(parser.parse_args([])).int8_activations is False
+    assert engine_config_from_args(parser.parse_args(["--activation-bits", "8"])).activation_bits == 8
+    assert engine_config_from_args(parser.parse_args([])).activation_bits is None
     assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
     assert engine_config_from_args(parser.parse_args([])).enforce_eager is False
     with pytest.raises(ValueError, match="enforce_eager"):

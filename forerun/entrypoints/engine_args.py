@@ -15,7 +15,7 @@ _FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_t
            "distributed_executor_backend", "runner",
            "num_threads", "linear_kernel", "native_kernels", "gemv_max_rows", "enforce_eager",
            "batch_invariant",
-           "dense_weights", "int8_activations", "speculative_config")
+           "dense_weights", "activation_bits", "speculative_config")
 
 
 def _on_off(value: bool) -> str:
@@ -122,11 +122,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "chunked prefill or on prefix-cache hits (fp32; see docs/batch-invariance.md) (default: "
                         "on for GGUF files where the probe finds it within 5%% of the fastest batched matmuls "
                         "on this CPU, off elsewhere)")
-    g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--activation-bits", type=int, choices=(32, 16, 8), default=None,
                    help="CPU, GGUF matrices in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL or Q3_K..Q6_K: small "
-                        "decode steps round each matmul's input to 8 bits per 32 values and multiply in integers, "
-                        "as llama.cpp does (faster at one request; results no longer equal the fp32 model's, see "
-                        f"docs/cpu-kernels.md) (default: {_on_off(d.int8_activations)})")
+                        "decode steps multiply each matmul's input in fp32 (32), or round it to 16 or 8 bits "
+                        "per 32 values and multiply in integers (16: within about 2^-16 of fp32; 8: as "
+                        "llama.cpp does, fastest, changes answers; see docs/cpu-kernels.md) (default: 16 with "
+                        "--dtype auto where batch invariance is off and the probe finds it faster on this CPU, "
+                        "else 32)"),
     return parser
 
 

@@ -80,10 +80,10 @@ Small = CompactLinear | BlockGemvLinear | JoinedGemv
 
 
 def small_block_linear(lib: ctypes.CDLL | None, weight: CompactWeight, bias: Tensor | None,
-                       fp32_out: bool, int8_activations: bool = False) -> BlockGemvLinear | None:
+                       fp32_out: bool, activation_bits: int = 32) -> BlockGemvLinear | None:
     """The GEMV for few rows over `weight`'s blocks as stored, or None where no kernel reads its format;
-    `int8_activations`: over 8-bit activations where the format has that GEMV."""
-    gemv = KQuantGemv.create(lib, weight.data, weight.fmt, weight.k, int8_activations)
+    `activation_bits` 16 or 8: over integer activations where the format has that GEMV."""
+    gemv = KQuantGemv.create(lib, weight.data, weight.fmt, weight.k, activation_bits)
     if gemv is None:
         return None
     return BlockGemvLinear(gemv, None if bias is None else bias.detach().float().contiguous(), fp32_out)

@@ -150,7 +150,8 @@ def _ends(ends: DecodeEnds) -> _Ends:
 
 
 BLOCK_FMT = 256  # decode_layers.c: a format code at or above it names the block GEMV's ggml type
-Q8_FMT = 768  # decode_layers.c: ... the GEMV over 8-bit activations (the int8_activations switch)
+# decode_layers.c: ... the GEMV over 8- or 16-bit activations (the activation_bits setting)
+INT_FMTS = {8: 768, 16: 1024}
 
 
 def _matmul(lin: Small) -> _Matmul:
@@ -167,7 +168,7 @@ def _matmul(lin: Small) -> _Matmul:
         if isinstance(part.gemv, OrderedGemv):  # bf16 batch invariance, which runs layer by layer
             raise ValueError("parts: the fused decode step runs fp32 only; the ordered bf16 GEMV is not in it")
         blocks = part.gemv.blocks
-        base = Q8_FMT if part.gemv.int8_activations else BLOCK_FMT
+        base = INT_FMTS.get(part.gemv.activation_bits, BLOCK_FMT)
         m.w[i], m.group_bytes[i], m.fmt[i], m.n[i] = blocks.data_ptr(), blocks.shape[1], base + part.gemv.code, part.n
     return m
 

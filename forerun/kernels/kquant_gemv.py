@@ -5,9 +5,10 @@ weight is expanded in registers to exactly the fp32 value gguf's dequantizer giv
 fp32 activations, so the result is fp32 `x @ W.T` over the dequantized weights up to the order of the
 sums. That order is fixed per output, so a row's result never depends on the other rows passed with
 it nor on the thread count.
-With `int8_activations` the formats in INT8_FORMATS run `csrc/gemv_q8.c` instead: x is rounded
-to 8 bits per block of 32 and multiplied in integers, as llama.cpp does, faster at one row and no
-longer the fp32 result (within about 2^-8 of it); its order of sums is fixed too.
+With `activation_bits` 16 or 8 the formats in INT_FORMATS run `csrc/gemv_int.c` instead: x is
+rounded to that many bits per block of 32 and multiplied in integers, faster at one row and no longer
+the fp32 result: within about 2^-16 of it at 16 bits, 2^-8 at 8 (llama.cpp's choice); its order of
+sums is fixed too.
 Choosing this kernel over stock PyTorch (and falling back) is the caller's job.
 """
 
@@ -35,8 +36,11 @@ class BlockFormat(NamedTuple):
 FORMATS: dict[str, BlockFormat] = {
     name: BlockFormat(QUANT_FORMATS[name].ggml_type, QUANT_FORMATS[name].block_size, QUANT_FORMATS[name].block_bytes)
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
-# The formats the 8-bit-activation GEMV reads (the others keep fp32 activations under the switch).
-INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# The formats the GEMV over integer activations reads (the others keep fp32 activations whatever
+# activation_bits says).
+INT_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# The widths a GEMV's activations may have: 32 is fp32 (exact), 16 and 8 are integers per block of 32.
+ACTIVATION_BITS = (32, 16, 8)
 # The kernel's paths: "auto" takes the widest one built for this CPU; the others exist to test them.
 ISAS: dict[str, int] = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 
@@ -99,11 +103,12 @@ def shaped_like(y: Tensor, x: Tensor, fp32_out: bool) -> Tensor:
     return y if fp32_out else y.to(x.dtype)
 
 
-def available_isas(lib: ctypes.CDLL, int8_activations: bool = False) -> list[str]:
-    """The kernel paths built into `lib` for this CPU ("scalar" always); the 8-bit-activation GEMV has
-    "scalar" and "avx2" (which uses AVX-512 VNNI's 256-bit dot product where the CPU has it)."""
-    bits = lib.gemv_q8_isas_f32() if int8_activations else lib.gemv_kquant_isas_f32()
-    return [name for name, code in ISAS.items() if code and bits & (1 << code)]
+def available_isas(lib: ctypes.CDLL, activation_bits: int = 32) -> list[str]:
+    """The kernel paths built into `lib` for this CPU ("scalar" always); the GEMV over integer
+    activations has "scalar" and "avx2" (which uses AVX-512 VNNI's 256-bit dot product for 8 bits
+    where the CPU has it)."""
+    built = lib.gemv_kquant_isas_f32() if activation_bits == 32 else lib.gemv_int_isas_f32()
+    return [name for name, code in ISAS.items() if code and built & (1 << code)]
 
 
 class KQuantGemv:
@@ -116,41 +121,48 @@ class KQuantGemv:
     """
 
     def __init__(self, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int, isa: str = "auto",
-                 int8_activations: bool = False) -> None:
+                 activation_bits: int = 32) -> None:
         if lib is None or not hasattr(lib, "gemv_kquant_f32"):
             raise RuntimeError("the C kernels are not built (forerun.kernels.build): use the stock PyTorch path")
         check_blocks(blocks, fmt, k)
-        if int8_activations and fmt not in INT8_FORMATS:
-            raise ValueError(f"fmt: {fmt} has no GEMV over 8-bit activations (those read {', '.join(INT8_FORMATS)})")
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits: expected one of {ACTIVATION_BITS}, got {activation_bits!r}")
+        if activation_bits != 32 and fmt not in INT_FORMATS:
+            raise ValueError(f"fmt: {fmt} has no GEMV over integer activations (those read {', '.join(INT_FORMATS)})")
         if isa not in ISAS:
             raise ValueError(f"isa: {isa!r} is not one of {sorted(ISAS)}")
-        built = available_isas(lib, int8_activations)
+        built = available_isas(lib, activation_bits)
         if isa != "auto" and isa not in built:
             raise ValueError(f"isa: {isa!r} is not built for this CPU (built: {built})")
         spec = FORMATS[fmt]
-        self.int8_activations = int8_activations
-        self.fn = lib.gemv_q8_f32 if int8_activations else lib.gemv_kquant_f32
-        self.blocks = blocks.contiguous()
+        self.activation_bits = activation_bits
+        self.lib, self.blocks = lib, blocks.contiguous()
         self.fmt, self.k, self.n = fmt, k, blocks.shape[0]
         self.code, self.isa = spec.code, ISAS[isa]
 
     @classmethod
     def create(cls, lib: ctypes.CDLL | None, blocks: Tensor, fmt: str, k: int,
-               int8_activations: bool = False) -> KQuantGemv | None:
+               activation_bits: int = 32) -> KQuantGemv | None:
         """The kernel for this weight, or None where it cannot run it (no library, format or k it lacks);
-        `int8_activations` applies where the format has that GEMV (INT8_FORMATS), else fp32 runs."""
+        `activation_bits` 16 or 8 applies where the format has that GEMV (INT_FORMATS), else fp32 runs."""
         if lib is None or not hasattr(lib, "gemv_kquant_f32") or not supports(fmt, k):
             return None
-        return cls(lib, blocks, fmt, k, int8_activations=int8_activations and fmt in INT8_FORMATS)
+        return cls(lib, blocks, fmt, k, activation_bits=activation_bits if fmt in INT_FORMATS else 32)
 
     def __call__(self, x: Tensor, fp32_out: bool = False) -> Tensor:
         """x [..., k] fp32 or bf16 -> [..., n] in x's dtype (bf16: computed in fp32, rounded once), or
         the fp32 result with `fp32_out` (logits)."""
         flat = fp32_rows(x, self.k)
         y = flat.new_empty(flat.shape[0], self.n)
-        with profiled("forerun::linear_q8" if self.int8_activations else "forerun::linear_kquant"):
-            rc = self.fn(flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code, y.data_ptr(),
-                         flat.shape[0], self.k, self.n, self.isa, torch.get_num_threads())
+        args = (flat.data_ptr(), self.blocks.data_ptr(), self.blocks.shape[1], self.code)
+        tail = (y.data_ptr(), flat.shape[0], self.k, self.n, self.isa, torch.get_num_threads())
+        if self.activation_bits == 32:
+            with profiled("forerun::linear_kquant"):
+                rc = self.lib.gemv_kquant_f32(*args, *tail)
+        else:
+            with profiled(f"forerun::linear_int{self.activation_bits}"):
+                rc = self.lib.gemv_int_f32(*args, self.activation_bits, *tail)
         if rc != 0:  # checked at construction, so this is a mismatch between this file and the C one
-            raise RuntimeError(f"{self.fn.__name__} refused {self.fmt} k={self.k} (code {rc})")
+            raise RuntimeError(f"the block GEMV ({self.activation_bits}-bit activations) refused {self.fmt} "
+                               f"k={self.k} (code {rc})")
         return shaped_like(y, x, fp32_out)

@@ -127,7 +127,8 @@ class LinearPlan:
     lib: ctypes.CDLL | None = None
     dense_copy: bool = False
     ordered_rows: int = 0  # batch-invariant bf16: GGUF blocks of inputs up to this many rows on the ordered GEMV
-    int8_activations: bool = False  # GGUF blocks' GEMV rounds its input to 8 bits (INT8_FORMATS; not exact)
+    # GGUF blocks' GEMV: 32 multiplies fp32 inputs; 16 or 8 rounds them to integers per 32 (INT_FORMATS).
+    activation_bits: int = 32
     # Batch-invariant mode: dense matrices run `kernel` alone (fp32 'native': one order at every row count);
     # GGUF blocks keep their GEMV, whose order the lane matmul shares (bf16: the ordered pair instead).
     invariant: bool = False
@@ -168,7 +169,7 @@ class LinearPlan:
             large = joined([large_block_linear(self.lib, b, dtype, fp32_out, gemv_order) for b in blocks], bias)
         # Batch-invariant bf16: at few rows the GEMV that sums in the bf16 block matmul's own order.
         make_small, rows = ((ordered_block_linear, self.ordered_rows) if self.ordered_rows > 0
-                            else (functools.partial(small_block_linear, int8_activations=self.int8_activations),
+                            else (functools.partial(small_block_linear, activation_bits=self.activation_bits),
                                   self.gemv_rows))
         if rows <= 0:
             return BuiltLinear(large, None, reads_dense=False)

@@ -1,11 +1,15 @@
-"""How a worker's model computes: its dtype, its dense matmul kernel, and whether batch invariance is on.
+"""How a worker's model computes: its dtype, its dense matmul kernel, whether batch invariance is on,
+and the width of a GGUF model's small-matmul activations.
 
 Explicit settings are kept (or refused with the field named). `dtype="auto"` is measured on this CPU
 and cached: a dense model by the dense probe (forerun.kernels.probe), a GGUF file's quantized model by
 the block probe (forerun.kernels.block_probe), which also says whether the batch-invariant matmul
 keeps 95% of the fastest batched one's speed over decode steps and prefill chunks alike. Where it
 does and `batch_invariant` is left unset, the mode is on: a GGUF model's small matmuls already sum in
-that order, so one user pays nothing. Rank 0 measures and every rank takes its answer.
+that order, so one user pays nothing. Where it does not, and the dtype is auto, a GGUF model's
+small matmuls round their inputs to 16 bits per 32 values if the int16 probe (forerun.kernels.int_probe)
+finds that faster on this CPU; a dtype given or pinned keeps fp32 products. Rank 0 measures and every
+rank takes its answer.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from forerun.kernels.block_matmul import vectorised
 from forerun.kernels.block_probe import (DECODE_ROWS, PREFILL_ROWS, AttentionShape, Workload, choose_block_dtype,
                                          decide)
 from forerun.kernels.gemm import PackedGemm
+from forerun.kernels.int_probe import choose_activation_bits
 from forerun.kernels.probe import DTYPE_NAMES, KernelChoice, choose_kernels
 from forerun.loader.model_source import cache_dir
 from forerun.loader.weights import gguf_quant_format, is_gguf_folder
@@ -52,10 +57,12 @@ def auto_dtypes(environ: Mapping[str, str]) -> list[torch.dtype]:
 
 @dataclass(frozen=True)
 class Numerics:
-    """The dtype and dense kernel (`choice`) and whether batch invariance is on; the same on every rank."""
+    """The dtype and dense kernel (`choice`), whether batch invariance is on, and the width of small GGUF
+    matmuls' activations (`activation_bits`: 32 fp32, 16 or 8 integers); the same on every rank."""
 
     choice: KernelChoice
     invariant: bool
+    activation_bits: int = 32
 
 
 class NumericsChooser:
@@ -75,12 +82,29 @@ class NumericsChooser:
             return Numerics(self._invariant_kernels(), True)
         fmt = gguf_quant_format(self.folder) if lib is not None and self.device.type == "cpu" else None
         if fmt is None or parse_dtype(self.config.dtype, self.device) not in (None, torch.float32):
-            return Numerics(self._choose_kernels(), False)
+            return Numerics(self._choose_kernels(), False, self.config.activation_bits or 32)
         assert lib is not None
         dtype, cheap = self._block_choice(lib, fmt)
         if cheap and want is None and self._invariance_fits(lib):
             return Numerics(self._invariant_kernels(), True)
-        return Numerics(self._choose_kernels([getattr(torch, dtype)]), False)
+        return Numerics(self._choose_kernels([getattr(torch, dtype)]), False, self._activation_bits(lib, fmt))
+
+    def _activation_bits(self, lib: ctypes.CDLL, fmt: str) -> int:
+        """Small GGUF matmuls' activation width (batch invariance off): as configured; unset, measured on
+        rank 0 (forerun.kernels.int_probe) where dtype is auto and $FORERUN_AUTO_DTYPES pins nothing, so
+        that a dtype given, or pinned for a fleet, keeps fp32 products."""
+        want = self.config.activation_bits
+        if want is not None:
+            return want
+        if parse_dtype(self.config.dtype, self.device) is not None or os.environ.get(AUTO_DTYPES_ENV, "").strip():
+            return 32
+        result = None
+        if self.rank == 0:
+            choice = choose_activation_bits(lib, model_matmul_shapes(self.hf_config, self.tp_size), fmt,
+                                            cache_dir() / "cpu_probe.json")
+            logger.info("small GGUF %s matmuls' activations: %s", fmt, choice.describe())
+            result = choice.bits
+        return self._from_rank0(result)
 
     def check_batch_invariant(self, lib: ctypes.CDLL | None) -> None:
         """Raise ValueError naming the field where batch-invariant mode cannot run."""
@@ -102,7 +126,7 @@ class NumericsChooser:
     def _invariance_fits(self, lib: ctypes.CDLL) -> bool:
         """Whether the mode can be turned on unasked: no setting that it refuses was given."""
         cfg = self.config
-        if cfg.int8_activations or cfg.gemv_max_rows is not None or cfg.dense_weights:
+        if cfg.activation_bits in (16, 8) or cfg.gemv_max_rows is not None or cfg.dense_weights:
             return False
         if cfg.linear_kernel not in ("auto", "native"):
             return False

@@ -149,7 +149,7 @@ class Worker:
                 self.native_ops = NativeOps(lib)
                 self.model.use_native_ops(self.native_ops)
             plan = LinearPlan(choice.linear_kernel, self._decode_batch(), gemv, 0, self.gemm, lib,
-                              config.dense_weights, ordered, int8_activations=config.int8_activations,
+                              config.dense_weights, ordered, activation_bits=numerics.activation_bits,
                               invariant=invariant)
             gemv_rows = 0 if ordered else self._choose_gemv_rows(choice, plan)
             if choice.linear_kernel != "aten" or gemv_rows or self.model.holds_blocks():
@@ -157,7 +157,8 @@ class Worker:
                 if gemv_rows and self.rank == 0:
                     logger.info("matmuls of up to %d rows read compact weights in %s arithmetic (%d of %d "
                                 "matmuls have an exact compact form)", gemv_rows,
-                                "int8 (GGUF formats with an int8 GEMV) or fp32" if config.int8_activations else "fp32",
+                                "fp32" if plan.activation_bits == 32
+                                else f"int{plan.activation_bits} (GGUF formats with that GEMV) or fp32",
                                 on_gemv, total)
             # Batch-invariant mode keeps the one-call step in fp32 only: it runs fp32 between ops, which
             # the module path matches in fp32 (bit for bit), but not in bf16 (it rounds after each op).
@@ -214,10 +215,10 @@ class Worker:
             dtype = choice.torch_dtype
             if self.model.holds_blocks():
                 pair: MatmulPair = lambda w: (  # noqa: E731
-                    small_block_linear(plan.lib, w, None, False, plan.int8_activations),
+                    small_block_linear(plan.lib, w, None, False, plan.activation_bits),
                     plan.build_blocks([w], None, dtype).matmul)
                 key = [plan.gemv.build, "blocks", plan.dense_copy, choice.linear_kernel]
-                key += ["int8"] if plan.int8_activations else []
+                key += [f"int{plan.activation_bits}"] if plan.activation_bits != 32 else []
             else:
                 pair, key = dense_pair(choice.linear_kernel, plan.gemv, dtype, self.gemm), [plan.gemv.build,
                                                                                              choice.linear_kernel]

@@ -33,8 +33,8 @@ void gemv_compact_f32(const float *x, const uint8_t *w, int64_t group_bytes, int
                       int64_t rows, int64_t k, int64_t n, int nthreads);
 int gemv_kquant_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
                             int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
-int gemv_q8_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
-                        int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
+int gemv_int_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, int bits, float *y, int64_t ldy,
+                         int64_t rows, int64_t k, int64_t n, int isa, int nthreads);
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *res_out,
                       int64_t rows, int64_t hidden, float eps, int nthreads);
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter, int nthreads);
@@ -52,11 +52,12 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *c
 
 /* One matmul: on the compact-weight GEMV (the packed weight, its format and group size), or, where
  * fmt >= BLOCK_FMT, on the block GEMV over a GGUF file's rows of blocks as stored (w the rows,
- * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type), or, where fmt >= Q8_FMT, on the
- * GEMV over 8-bit activations (the int8_activations switch; fmt - Q8_FMT the ggml type). A weight packed from parts in
+ * group_bytes the bytes of one row, fmt - BLOCK_FMT the ggml type), or, where fmt >= INT8_FMT, on the
+ * GEMV over integer activations (the activation_bits setting: fmt - INT8_FMT the ggml type for 8 bits,
+ * fmt - INT16_FMT for 16). A weight packed from parts in
  * different formats (q/k/v or gate/up of a K-quant mix) has one entry per part, each writing its n
  * columns of the output beside the previous part's. bias or NULL. */
-enum { BLOCK_FMT = 256, Q8_FMT = 768, MAX_PARTS = 3 };
+enum { BLOCK_FMT = 256, INT8_FMT = 768, INT16_FMT = 1024, MAX_PARTS = 3 };
 typedef struct {
     int64_t parts;
     const uint8_t *w[MAX_PARTS];
@@ -130,10 +131,11 @@ static void matmul(const matmul_t *m, const float *x, float *y, int64_t rows, in
     }
     /* The formats, shapes and part widths (summing to n) were checked when the Python side built it. */
     for (int64_t p = 0, col = 0; p < m->parts; col += m->n[p], p++) {
-        if (m->fmt[p] >= Q8_FMT)
-            gemv_q8_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - Q8_FMT), y + col, n, rows, k,
-                                m->n[p], 0, nthreads);
-        else
+        if (m->fmt[p] >= INT8_FMT) {
+            const int bits = m->fmt[p] >= INT16_FMT ? 16 : 8;
+            gemv_int_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - (bits == 16 ? INT16_FMT : INT8_FMT)),
+                                 bits, y + col, n, rows, k, m->n[p], 0, nthreads);
+        } else
             gemv_kquant_strided_f32(x, m->w[p], m->group_bytes[p], (int)(m->fmt[p] - BLOCK_FMT), y + col, n, rows,
                                     k, m->n[p], 0, nthreads);
     }

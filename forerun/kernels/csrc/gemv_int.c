@@ -1,20 +1,23 @@
-/* y = x W^T for a few rows, with x rounded to 8-bit integers per block of 32, against GGUF blocks as
- * the file stores them: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and the K-quants Q3_K, Q4_K, Q5_K, Q6_K.
- * This is the engine's `int8_activations` switch, off by default.
+/* y = x W^T for a few rows, with x rounded to 8- or 16-bit integers per block of 32, against GGUF
+ * blocks as the file stores them: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, and the K-quants Q3_K, Q4_K,
+ * Q5_K, Q6_K. This is the engine's `activation_bits` setting (16 or 8; 32 runs gemv_kquant.c).
  *
  * Why: at one decode row the fp32 block GEMV (gemv_kquant.c) is bound by expanding each weight to
- * fp32, not by reading it. Here the weight's small integer codes multiply x's 8-bit codes in integers
- * (AVX-512 VNNI's vpdpbusd: 64 products an instruction; AVX2's vpmaddubsw), and floats appear once
- * per 4 weights, as llama.cpp does. The cost is precision: x keeps 8 bits a value per 32, so y is no
- * longer fp32 `x @ W.T` but within about 2^-8 of it relative to the sizes of the terms.
+ * fp32, not by reading it. Here the weight's small integer codes multiply x's codes in integers, and
+ * floats appear once per 4 weights. 8 bits is llama.cpp's choice (AVX-512 VNNI's vpdpbusd: 64 products
+ * an instruction; AVX2's vpmaddubsw): y is within about 2^-8 of fp32 `x @ W.T`, relative to the sizes
+ * of the terms, which changes a small model's answers. 16 bits (vpmaddwd over the codes widened to 16
+ * bits) is within about 2^-16, far closer than bf16 activations, and costs a widening and an add more
+ * per 32 weights.
  *
- * Arithmetic, the same on both paths (portable; AVX2, with AVX-512 VNNI's dot product where the CPU
- * has it), so the paths are bit-equal:
- * - x, per block of 32: dx = max|x| / 127, q = x * (1 / dx) rounded to the nearest integer, ties to
- *   even (dx = 0: q = 0) (q8_activations.h).
+ * Arithmetic, the same on both paths (portable; AVX2, with AVX-512 VNNI's dot product for 8 bits where
+ * the CPU has it), so the paths are bit-equal:
+ * - x, per block of 32: dx = max|x| / top (127 or 32767), q = x * (1 / dx) rounded to the nearest
+ *   integer, ties to even (dx = 0: q = 0) (int_activations.h).
  * - The 32 weights x's block meets are two runs of 16 (gguf_blocks.h), each with its map w = a s + b,
- *   s the weight's signed integer; they are 8 lanes of 4 consecutive weights, and a lane's integer
- *   P = sum of s q over its 4 weights is exact.
+ *   s the weight's signed integer; they are 8 lanes of 4 weights (8 bits: 4 consecutive ones; 16 bits:
+ *   as int_activations.h lays them out, lanes 0-3 in the first run and 4-7 in the second either way),
+ *   and a lane's integer P = sum of s q over its 4 weights is exact.
  * - Each output keeps 16 fp32 lanes: x's block b goes to lanes 0-7 when b is even, 8-15 when odd
  *   (two chains, so consecutive blocks do not wait on each other's add). A lane adds
  *   fma((float)P, a * dx, acc), a its run's scale. The 16 lanes are added as sum_tree.h's fixed tree.
@@ -33,7 +36,7 @@
 #include <stdlib.h>
 
 #include "gguf_blocks.h"
-#include "q8_activations.h"
+#include "int_activations.h"
 #include "sum_tree.h"
 
 enum { QK = 32, LANES = 16, TILE = 4 };
@@ -44,7 +47,7 @@ enum { QK = 32, LANES = 16, TILE = 4 };
 /* The formats this file reads: those whose runs of 16 share a map per 32 weights, or have no
  * minimum (Q2_K's minimum changes every 16 weights, and IQ4_XS's runs of one sub-block decode with
  * different shifts). */
-static inline int q8_format(int fmt) {
+static inline int int_format(int fmt) {
     return fmt == GGML_Q4_0 || fmt == GGML_Q4_1 || fmt == GGML_Q5_0 || fmt == GGML_Q5_1 || fmt == GGML_Q8_0 ||
            fmt == GGML_IQ4_NL || fmt == GGML_Q3_K || fmt == GGML_Q4_K || fmt == GGML_Q5_K || fmt == GGML_Q6_K;
 }
@@ -80,7 +83,7 @@ static inline float finish(int fmt, float tree, const float ms[8]) {
 }
 
 /* Portable path: one weight row against every row of x. */
-static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+static void gemv_scalar(int fmt, int bits, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
                         int64_t rows, int64_t k, int64_t n, int nthreads) {
     const int bs = block_bytes(fmt), per = block_weights(fmt) / QK, nb = (int)(k / QK);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -90,15 +93,21 @@ static void gemv_scalar(int fmt, const qx_t *qx, const uint8_t *w, int64_t strid
             for (int b = 0; b < nb; b++) { /* x's block b: weights 32 (b % per) .. of weight block b / per */
                 const uint8_t *blk = w + j * stride + (int64_t)(b / per) * bs;
                 const int v = 2 * (b % per);
-                const int8_t *q = qx->q + r * k + (int64_t)b * QK;
+                const int64_t at = (r * k + (int64_t)b * QK) * (bits / 8);
+                const int8_t *q8 = (const int8_t *)((const char *)qx->q + at);
+                const int16_t *q16 = (const int16_t *)((const char *)qx->q + at);
                 const float dx = qx->dx[r * nb + b];
                 int32_t c[32];
                 if (b % per == 0) block_maps(fmt, blk, a, bm); /* once a weight block */
                 ints16(fmt, blk, v, c);
                 ints16(fmt, blk, v + 1, c + 16);
+                int32_t lp[8] = {0};
+                for (int i = 0; i < 32; i++) {
+                    if (bits == 8) lp[i / 4] += c[i] * q8[i];
+                    else lp[q16_lane(i)] += c[i] * q16[q16_pos(i)];
+                }
                 for (int l = 0; l < 8; l++) {
-                    int32_t p = 0;
-                    for (int i = 4 * l; i < 4 * l + 4; i++) p += c[i] * q[i];
+                    const int32_t p = lp[l];
                     const float scale = a[map_of(fmt, v + l / 4)] * dx;
                     acc[8 * (b & 1) + l] = fmaf((float)p, scale, acc[8 * (b & 1) + l]);
                 }
@@ -141,11 +150,11 @@ static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const u
     return u;
 }
 
-/* 8 lanes of P = sum of s q over 4 weights. `c` as codes_avx2 gives it; `ol` the lanes' offset terms.
- * The unsigned codes (u < 64: the nibble and K formats) multiply q directly (pairs of u q fit
+/* 8 lanes of P = sum of s q over 4 weights, for 8-bit q. `c` as codes_avx2 gives it; `ol` the lanes'
+ * offset terms. The unsigned codes (u < 64: the nibble and K formats) multiply q directly (pairs of u q fit
  * vpmaddubsw's 16 bits), and the offset's term is taken off after: three instructions where the signed
  * form's sign juggling takes five. The signed codes go through |s| and q given s's sign (|s| <= 128, |q| <= 127). */
-static inline __attribute__((always_inline)) __m256i lane_dots(int fmt, __m256i c, __m256i q, const int32_t *ol) {
+static inline __attribute__((always_inline)) __m256i lane_dots8(int fmt, __m256i c, __m256i q, const int32_t *ol) {
     const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
 #if defined(HAVE_VNNI)
     if (is_signed)
@@ -160,20 +169,33 @@ static inline __attribute__((always_inline)) __m256i lane_dots(int fmt, __m256i 
     return code_offset(fmt) ? _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol)) : p;
 }
 
+/* The same for 16-bit q (laid out as int_activations.h says): the codes widened to 16 bits within each
+ * 128-bit half (zero-extended, or sign-extended for the signed formats), two vpmaddwd, one add. Pairs
+ * of s q and their sums fit 32 bits (4 |s| |q| <= 4 * 255 * 32767). */
+static inline __attribute__((always_inline)) __m256i lane_dots16(int fmt, __m256i c, const int16_t *q, const int32_t *ol) {
+    const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
+    const __m256i ext = is_signed ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), c) : _mm256_setzero_si256();
+    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(c, ext), _mm256_loadu_si256((const __m256i *)q)),
+                                       _mm256_madd_epi16(_mm256_unpackhi_epi8(c, ext), _mm256_loadu_si256((const __m256i *)q + 1)));
+    return is_signed || !code_offset(fmt) ? p : _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol));
+}
+
 /* x's block xb (of each of the RB rows) against c, the 32 codes of its weights, each row's lanes scaled
  * by scale[r], into chain h. */
-static inline __attribute__((always_inline)) void add_block_avx2(int fmt, int RB, const qx_t *qx, const int64_t xr[],
+static inline __attribute__((always_inline)) void add_block_avx2(int fmt, int bits, int RB, const qx_t *qx, const int64_t xr[],
                                                                  int64_t nb, int64_t xb, __m256i c,
                                                                  const __m256 scale[], int h, __m256 acc[][2]) {
     for (int r = 0; r < RB; r++) {
         const int64_t at = xr[r] * nb + xb;
-        const __m256i p = lane_dots(fmt, c, _mm256_loadu_si256((const __m256i *)(qx->q + at * QK)), qx->ol + at * 8);
+        const __m256i p = bits == 8 ? lane_dots8(fmt, c, _mm256_loadu_si256((const __m256i *)((const int8_t *)qx->q + at * QK)),
+                                                 qx->ol + at * 8)
+                                    : lane_dots16(fmt, c, (const int16_t *)qx->q + at * QK, qx->ol + at * 8);
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale[r], acc[r][h]);
     }
 }
 
 /* One weight row against RB rows of x; out[r] its output. */
-static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, const qx_t *qx, const int64_t xr[],
+static inline __attribute__((always_inline)) void row_avx2(int fmt, int bits, int RB, const qx_t *qx, const int64_t xr[],
                                                            const uint8_t *wrow, int64_t k, float out[]) {
     const int bs = block_bytes(fmt);
     const int64_t nb = k / QK;
@@ -199,7 +221,7 @@ static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, cons
                     scale[r] = _mm256_set1_ps(d * qx->dx[at]);
                     if (has_min(fmt)) ms[r][h] = fmaf(half(blk + 2), qx->sx[at], ms[r][h]);
                 }
-                add_block_avx2(fmt, RB, qx, xr, nb, b + h, codes_avx2(fmt, blk, 0), scale, h, acc);
+                add_block_avx2(fmt, bits, RB, qx, xr, nb, b + h, codes_avx2(fmt, blk, 0), scale, h, acc);
             }
         }
     } else {
@@ -232,7 +254,7 @@ static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, cons
                                                     : _mm256_set1_epi32(j);
                 for (int r = 0; r < RB; r++)
                     scale[r] = _mm256_permutevar8x32_ps(sv[r][map_a_run(fmt) ? j / 4 : 0], pick);
-                add_block_avx2(fmt, RB, qx, xr, nb, 8 * sb + j, codes_avx2(fmt, blk, j), scale, j & 1, acc);
+                add_block_avx2(fmt, bits, RB, qx, xr, nb, 8 * sb + j, codes_avx2(fmt, blk, j), scale, j & 1, acc);
             }
         }
         for (int r = 0; r < RB; r++) _mm256_storeu_ps(ms[r], msv[r]);
@@ -263,8 +285,12 @@ static inline __attribute__((always_inline)) void row_avx2(int fmt, int RB, cons
     } while (0)
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* row_avx2 with the activations' width a compile-time constant too. */
+#define row8_avx2(F, RB, ...) row_avx2(F, 8, RB, __VA_ARGS__)
+#define row16_avx2(F, RB, ...) row_avx2(F, 16, RB, __VA_ARGS__)
+
 /* The vector path: weight rows over the threads, each against the rows of x TILE at a time. */
-static void gemv_vector(int fmt, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+static void gemv_vector(int fmt, int bits, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
                         int64_t rows, int64_t k, int64_t n, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t j = 0; j < n; j++)
@@ -273,15 +299,16 @@ static void gemv_vector(int fmt, const qx_t *qx, const uint8_t *w, int64_t strid
             int64_t xr[TILE] = {0};
             float out[TILE] = {0.f};
             for (int r = 0; r < rb; r++) xr[r] = r0 + r;
-            ROW_FMT(row_avx2, fmt, rb, qx, xr, w + j * stride, k, out);
+            if (bits == 8) ROW_FMT(row8_avx2, fmt, rb, qx, xr, w + j * stride, k, out);
+            else ROW_FMT(row16_avx2, fmt, rb, qx, xr, w + j * stride, k, out);
             for (int r = 0; r < rb; r++) y[(r0 + r) * ldy + j] = out[r];
         }
 }
 #endif
 
 /* Bit i set when path i (ISA_SCALAR, ISA_AVX2) was built; the AVX2 path uses AVX-512 VNNI's 256-bit
- * dot product where the CPU has it. */
-int gemv_q8_isas_f32(void) {
+ * dot product for 8-bit activations where the CPU has it. */
+int gemv_int_isas_f32(void) {
     int isas = 1 << ISA_SCALAR;
 #if defined(__AVX2__) && defined(__FMA__)
     isas |= 1 << ISA_AVX2;
@@ -289,31 +316,32 @@ int gemv_q8_isas_f32(void) {
     return isas;
 }
 
-/* y [rows, n] (rows ldy apart) = quantized x [rows, k] W^T. `isa`: ISA_BEST or one path. Returns 0;
- * -1 for a format this file lacks or a k / stride / ldy that does not fit; -2 for a path not built;
- * -3 when memory for quantized x runs out. */
-int gemv_q8_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t ldy,
-                        int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
-    if (!q8_format(fmt) || !rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n) return -1;
-    isa = path_of(isa, gemv_q8_isas_f32());
+/* y [rows, n] (rows ldy apart) = x [rows, k], rounded to `bits` (8 or 16) a value, W^T. `isa`:
+ * ISA_BEST or one path. Returns 0; -1 for a format this file lacks, bits not 8 or 16, or a k / stride /
+ * ldy that does not fit; -2 for a path not built; -3 when memory for quantized x runs out. */
+int gemv_int_strided_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, int bits, float *y, int64_t ldy,
+                         int64_t rows, int64_t k, int64_t n, int isa, int nthreads) {
+    if (!int_format(fmt) || (bits != 8 && bits != 16) || !rows_fit(fmt, k, stride) || rows < 0 || n < 0 || ldy < n)
+        return -1;
+    isa = path_of(isa, gemv_int_isas_f32());
     if (isa < 0) return -2;
     if (rows == 0 || n == 0) return 0;
     qx_t qx;
-    if (quantize_x(x, rows, k, code_offset(fmt), isa == ISA_SCALAR, &qx) != 0) {
+    if (quantize_x(x, rows, k, bits, code_offset(fmt), isa == ISA_SCALAR, &qx) != 0) {
         free_x(&qx);
         return -3;
     }
 #if defined(__AVX2__) && defined(__FMA__)
-    if (isa == ISA_AVX2) gemv_vector(fmt, &qx, w, stride, y, ldy, rows, k, n, nthreads);
+    if (isa == ISA_AVX2) gemv_vector(fmt, bits, &qx, w, stride, y, ldy, rows, k, n, nthreads);
     else
 #endif
-        gemv_scalar(fmt, &qx, w, stride, y, ldy, rows, k, n, nthreads);
+        gemv_scalar(fmt, bits, &qx, w, stride, y, ldy, rows, k, n, nthreads);
     free_x(&qx);
     return 0;
 }
 
-/* y [rows, n] = quantized x [rows, k] W^T, y contiguous. */
-int gemv_q8_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, float *y, int64_t rows, int64_t k,
-                int64_t n, int isa, int nthreads) {
-    return gemv_q8_strided_f32(x, w, stride, fmt, y, n, rows, k, n, isa, nthreads);
+/* y [rows, n] = x [rows, k] rounded to `bits`, W^T, y contiguous. */
+int gemv_int_f32(const float *x, const uint8_t *w, int64_t stride, int fmt, int bits, float *y, int64_t rows,
+                 int64_t k, int64_t n, int isa, int nthreads) {
+    return gemv_int_strided_f32(x, w, stride, fmt, bits, y, n, rows, k, n, isa, nthreads);
 }

@@ -1,0 +1,72 @@
+"""Who decides the width of a GGUF model's small-matmul activations (`activation_bits`): 16 by default
+where `dtype="auto"` is measured, batch invariance is off and the int16 probe finds the 16-bit GEMV
+faster; fp32 (32) wherever a dtype is given or pinned, invariance is on, or the probe finds no gain; a
+width asked for is kept. The probe itself times real kernels and caches its answer. (The kernel's
+arithmetic: tests/test_int_gemv.py; the engine's results under each width: tests/test_native_decode.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf_factory import write_mixed_llama_gguf
+
+from forerun import LLM, SamplingParams
+from forerun.kernels import int_probe
+from forerun.kernels.block_probe import BF16_BLOCKS, FP32_BLOCKS, LANES, decide
+from forerun.kernels.build import load_native_library
+from forerun.kernels.int_probe import INT16_GAIN, ActivationChoice, choose_activation_bits
+from forerun.kernels.kquant_gemv import KQuantGemv
+from forerun.loader.model_source import cache_dir
+from forerun.worker import numerics
+from forerun.worker.numerics import AUTO_DTYPES_ENV
+
+
+@pytest.mark.parametrize("probe, cheap_invariance, settings, pinned, want", [
+    (1.5, False, {}, "", 16),  # faster at one row: 16 bits unasked
+    (1.0, False, {}, "", 32),  # no gain: fp32
+    (1.5, True, {}, "", 32),  # batch invariance on: one fp32 order at every row count
+    (1.5, False, {"dtype": "float32"}, "", 32),  # a dtype given keeps fp32 products
+    (1.5, False, {}, "float32", 32),  # as does one pinned for a fleet
+    (1.0, False, {"activation_bits": 8}, "", 8),  # a width asked for is kept
+    (1.5, False, {"activation_bits": 32}, "", 32),
+])
+def test_the_default_width_follows_the_probe_and_the_settings(tmp_path: Path, monkeypatch, probe: float,
+                                                              cheap_invariance: bool, settings: dict, pinned: str,
+                                                              want: int) -> None:
+    gflops = {LANES: 100.0, FP32_BLOCKS: 100.0 if cheap_invariance else 120.0, BF16_BLOCKS: 10.0}
+    monkeypatch.setattr(numerics, "choose_block_dtype", lambda *a, **k: decide(gflops))
+    asked: list = []
+    monkeypatch.setattr(numerics, "choose_activation_bits", lambda *a, **k: asked.append(a) or ActivationChoice(
+        16 if probe >= INT16_GAIN else 32, probe))
+    if pinned:
+        monkeypatch.setenv(AUTO_DTYPES_ENV, pinned)
+    else:
+        monkeypatch.delenv(AUTO_DTYPES_ENV, raising=False)
+    built: list = []
+    init = KQuantGemv.__init__
+    monkeypatch.setattr(KQuantGemv, "__init__",
+                        lambda self, *a, **k: init(self, *a, **k) or built.append(self.activation_bits))
+    path = write_mixed_llama_gguf(tmp_path / "mixed.gguf", (Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q6_K), seed=3,
+                                  max_positions=256)
+    with LLM(model=str(path), max_model_len=256, show_progress=False, **settings) as llm:
+        assert llm.engine.core.executor.worker.batch_invariant is (cheap_invariance and not settings)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 4
+    assert built and set(built) == {want}, built
+    # the probe runs only where its answer decides the width
+    assert bool(asked) == (not settings and not pinned and not cheap_invariance)
+
+
+def test_probe_times_the_kernels_and_caches_its_answer(tmp_path: Path, monkeypatch) -> None:
+    lib = load_native_library(cache_dir() / "kernels")
+    assert lib is not None
+    shapes = [(576, 1536, 30), (1536, 576, 30)]
+    cache = tmp_path / "probe.json"
+    first = choose_activation_bits(lib, shapes, "Q4_K", cache)
+    assert first.speedup > 0 and first.bits == (16 if first.speedup >= INT16_GAIN else 32)
+    monkeypatch.setattr(int_probe, "measure_int16_speedup", lambda *a, **k: pytest.fail("measured again"))
+    assert choose_activation_bits(lib, shapes, "Q4_K", cache) == first
+    # a format without the GEMV stays fp32, unmeasured
+    assert choose_activation_bits(lib, shapes, "Q2_K", cache) == ActivationChoice(32, 0.0)
