@@ -5,10 +5,14 @@
  * a value, all exact or rounded once alike), so every GEMV path sees the same quantized x.
  *
  * Layout. 8 bits: a block's 32 codes in order, and lane l (l < 8) of its P sums are weights 4l..4l+3.
- * 16 bits: the order the GEMV's unpacking of 32 weight bytes gives (vpunpck{l,h}bw work within each
- * 128-bit half): first x0..7, x16..23, then x8..15, x24..31 (q16_pos), so that lane l < 4 sums weights
- * 2l, 2l+1, 8+2l, 9+2l and lane 4+l the same 16 on (q16_lane). A lane's sum is an exact integer, so
- * which weights share a lane changes nothing but the lane's float, and both paths use this grouping.
+ * 16 bits, two layouts, as the GEMV widens the weights' codes (q16_pos, q16_lane):
+ * - unpacked: the order vpunpck{l,h}bw give 32 weight bytes (they work within each 128-bit half):
+ *   x0..7, x16..23, then x8..15, x24..31, so lane l < 4 sums weights 2l, 2l+1, 8+2l, 9+2l and lane 4+l
+ *   the same 16 on (lanes 0-3 in the first run of 16, 4-7 in the second);
+ * - natural: x0..31 in order (16 weights' bytes widened in place), so lane l sums weights 2l, 2l+1,
+ *   16+2l, 17+2l (both runs; for formats with one map per 32 weights).
+ * A lane's sum is an exact integer, so which weights share a lane changes nothing but the lane's
+ * float, and both paths use the same grouping.
  *
  * Why a vector form: the GEMV itself costs about one cycle a 8 weights, and the portable loop about
  * 20 a value (fmaxf is a libm call without -ffast-math); at one decode row over SmolLM2's 576 inputs
@@ -25,13 +29,15 @@
 
 enum { Q8_BLOCK = 32 };
 
-/* Where weight i of a block of 32 sits in the 16-bit layout, and which of the 8 lanes sums it. */
-static inline int q16_pos(int i) { return (i & 7) + 8 * ((i >> 4) & 1) + 16 * ((i >> 3) & 1); }
-static inline int q16_lane(int i) { return (q16_pos(i) & 15) / 2; }
+/* Where weight i of a block of 32 sits in a 16-bit layout, and which of the 8 lanes sums it. */
+static inline int q16_pos(int natural, int i) {
+    return natural ? i : (i & 7) + 8 * ((i >> 4) & 1) + 16 * ((i >> 3) & 1);
+}
+static inline int q16_lane(int natural, int i) { return (q16_pos(natural, i) & 15) / 2; }
 
-/* One block: its 32 codes into q (int8_t or int16_t, laid out as above), its scale dx into *d; returns
- * the sum of the codes. lane[l] gets the sum of lane l's 4 codes. */
-static inline int int_block_scalar(int bits, const float *x, void *q, float *d, int32_t lane[8]) {
+/* One block: its 32 codes into q (int8_t or int16_t, laid out as above; `natural` picks the 16-bit
+ * layout), its scale dx into *d; returns the sum of the codes. lane[l] gets the sum of lane l's 4 codes. */
+static inline int int_block_scalar(int bits, int natural, const float *x, void *q, float *d, int32_t lane[8]) {
     const float top = bits == 8 ? 127.f : 32767.f;
     float amax = 0.f;
     for (int i = 0; i < Q8_BLOCK; i++) {
@@ -48,8 +54,8 @@ static inline int int_block_scalar(int bits, const float *x, void *q, float *d, 
             ((int8_t *)q)[i] = (int8_t)c;
             lane[i / 4] += c;
         } else {
-            ((int16_t *)q)[q16_pos(i)] = (int16_t)c;
-            lane[q16_lane(i)] += c;
+            ((int16_t *)q)[q16_pos(natural, i)] = (int16_t)c;
+            lane[q16_lane(natural, i)] += c;
         }
         sum += c;
     }
@@ -58,7 +64,7 @@ static inline int int_block_scalar(int bits, const float *x, void *q, float *d, 
 }
 
 #if defined(__AVX2__)
-static inline int int_block_avx2(int bits, const float *x, void *q, float *d, int32_t lane[8]) {
+static inline int int_block_avx2(int bits, int natural, const float *x, void *q, float *d, int32_t lane[8]) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 v[4], m = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
@@ -84,9 +90,11 @@ static inline int int_block_avx2(int bits, const float *x, void *q, float *d, in
         _mm256_storeu_si256((__m256i *)q, bytes);
         lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
     } else {
-        /* packs of x0..7 and x16..23 give x0..3, x16..19 | x4..7, x20..23; the permute makes it x0..7, x16..23. */
-        const __m256i r0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[2]), 0xD8);
-        const __m256i r1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[1], c[3]), 0xD8);
+        /* packs of x0..7 and x16..23 give x0..3, x16..19 | x4..7, x20..23; the permute makes it x0..7,
+         * x16..23 (unpacked); of x0..7 and x8..15, x0..15 (natural). */
+        const int second = natural ? 1 : 2;
+        const __m256i r0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[second]), 0xD8);
+        const __m256i r1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[3 - second], c[3]), 0xD8);
         _mm256_storeu_si256((__m256i *)q, r0);
         _mm256_storeu_si256((__m256i *)q + 1, r1);
         const __m256i ones = _mm256_set1_epi16(1);
@@ -120,10 +128,12 @@ static void free_x(qx_t *qx) {
     free(qx->ol);
 }
 
-/* x [rows, k] quantized to `bits` (8 or 16) into `out` (free_x frees it; -1 when memory runs out).
- * `offset`: the format's code offset, for ol. `portable`: round with the portable code (the GEMV's
- * portable path does, so that the paths' bit-equality test covers the rounding too). */
-static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int offset, int portable, qx_t *out) {
+/* x [rows, k] quantized to `bits` (8 or 16; `natural`: the 16-bit layout) into `out` (free_x frees it;
+ * -1 when memory runs out). `offset`: the format's code offset, for ol. `portable`: round with the
+ * portable code (the GEMV's portable path does, so that the paths' bit-equality test covers the
+ * rounding too). */
+static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int natural, int offset, int portable,
+                      qx_t *out) {
     const int64_t blocks = rows * k / Q8_BLOCK;
     out->q = malloc((size_t)(rows * k) * (size_t)(bits / 8));
     out->dx = malloc(sizeof(float) * (size_t)blocks);
@@ -133,8 +143,8 @@ static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int off
     for (int64_t b = 0; b < blocks; b++) {
         int32_t *lane = out->ol + b * 8;
         void *q = (char *)out->q + b * Q8_BLOCK * (bits / 8);
-        const int sum = portable ? int_block_scalar(bits, x + b * Q8_BLOCK, q, &out->dx[b], lane)
-                                 : int_block(bits, x + b * Q8_BLOCK, q, &out->dx[b], lane);
+        const int sum = portable ? int_block_scalar(bits, natural, x + b * Q8_BLOCK, q, &out->dx[b], lane)
+                                 : int_block(bits, natural, x + b * Q8_BLOCK, q, &out->dx[b], lane);
         for (int l = 0; l < 8; l++) lane[l] *= offset;
         out->sx[b] = out->dx[b] * (float)sum;
     }
