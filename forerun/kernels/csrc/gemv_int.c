@@ -7,8 +7,8 @@
  * floats appear once per 4 weights. 8 bits is llama.cpp's choice (AVX-512 VNNI's vpdpbusd: 64 products
  * an instruction; AVX2's vpmaddubsw): y is within about 2^-8 of fp32 `x @ W.T`, relative to the sizes
  * of the terms, which changes a small model's answers. 16 bits (vpmaddwd over the codes widened to 16
- * bits) is within about 2^-16, far closer than bf16 activations, and costs a widening and an add more
- * per 32 weights.
+ * bits) is within about 2^-16, far closer than bf16 activations, and costs the widening and an add
+ * more per 32 weights.
  *
  * Arithmetic, the same on both paths (portable; AVX2, with AVX-512 VNNI's dot product for 8 bits where
  * the CPU has it), so the paths are bit-equal:
@@ -16,8 +16,9 @@
  *   integer, ties to even (dx = 0: q = 0) (int_activations.h).
  * - The 32 weights x's block meets are two runs of 16 (gguf_blocks.h), each with its map w = a s + b,
  *   s the weight's signed integer; they are 8 lanes of 4 weights (8 bits: 4 consecutive ones; 16 bits:
- *   as int_activations.h lays them out, lanes 0-3 in the first run and 4-7 in the second either way),
- *   and a lane's integer P = sum of s q over its 4 weights is exact.
+ *   as int_activations.h lays them out, the natural layout for the formats natural16 names, whose map
+ *   covers all 32 weights, and the unpacked one elsewhere, whose lanes 0-3 are the first run and 4-7
+ *   the second, as with 8 bits), and a lane's integer P = sum of s q over its 4 weights is exact.
  * - Each output keeps 16 fp32 lanes: x's block b goes to lanes 0-7 when b is even, 8-15 when odd
  *   (two chains, so consecutive blocks do not wait on each other's add). A lane adds
  *   fma((float)P, a * dx, acc), a its run's scale. The 16 lanes are added as sum_tree.h's fixed tree.
