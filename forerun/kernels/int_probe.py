@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +31,8 @@ from forerun.kernels.compact_weights import CompactWeight, block_size
 from forerun.kernels.kquant_gemv import INT_FORMATS, KQuantGemv
 from forerun.kernels.probe import BUSY, best_rounds, capped, fresh_entry, read_cache, write_cache
 from forerun.platform import cpu_signature
+
+logger = logging.getLogger(__name__)
 
 # How much faster the 16-bit GEMV must be to give up exact fp32 products by default: a clear win, not
 # one noisy round.
@@ -78,8 +82,9 @@ def choose_activation_bits(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]],
     entry = fresh_entry(cache.get(key))
     if entry is not None and isinstance(entry.get("speedup"), float):
         return ActivationChoice(16 if entry["speedup"] >= INT16_GAIN else 32, entry["speedup"])
-    watch = BusyWatch()
+    watch, t0 = BusyWatch(), time.perf_counter()
     speedup = measure_int16_speedup(lib, shapes, fmt)
+    logger.info("measured the 16-bit GEMV in %.1f s", time.perf_counter() - t0)
     choice = ActivationChoice(16 if speedup >= INT16_GAIN else 32, speedup)
     if cache_file is not None:
         cache[key] = {**asdict(choice), BUSY: watch.busy()}
