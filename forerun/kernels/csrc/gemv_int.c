@@ -53,11 +53,12 @@ static inline int int_format(int fmt) {
            fmt == GGML_IQ4_NL || fmt == GGML_Q3_K || fmt == GGML_Q4_K || fmt == GGML_Q5_K || fmt == GGML_Q6_K;
 }
 
+/* The formats whose codes_avx2 codes are the signed integers s themselves (the others': unsigned). */
+static inline int signed_codes(int fmt) { return fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL; }
+
 /* What the unsigned code u the vector paths build exceeds s by: u = s + offset, 0 <= u < 256 (the
  * signed formats' codes move by 128; the others' by what the reference subtracts, gguf_blocks.h). */
-static inline int code_offset(int fmt) {
-    return fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL ? 128 : offset_of(fmt);
-}
+static inline int code_offset(int fmt) { return signed_codes(fmt) ? 128 : offset_of(fmt); }
 
 /* The formats whose runs of 16 widen to 16 bits in place (one byte or nibble a weight, no high part,
  * no table): their 16-bit activations take int_activations.h's natural layout, the others' the
@@ -163,14 +164,13 @@ static inline __attribute__((always_inline)) __m256i codes_avx2(int fmt, const u
  * vpmaddubsw's 16 bits), and the offset's term is taken off after: three instructions where the signed
  * form's sign juggling takes five. The signed codes go through |s| and q given s's sign (|s| <= 128, |q| <= 127). */
 static inline __attribute__((always_inline)) __m256i lane_dots8(int fmt, __m256i c, __m256i q, const int32_t *ol) {
-    const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
 #if defined(HAVE_VNNI)
-    if (is_signed)
+    if (signed_codes(fmt))
         return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
     const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q);
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    if (is_signed)
+    if (signed_codes(fmt))
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c)), ones);
     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
 #endif
@@ -201,8 +201,7 @@ static inline __attribute__((always_inline)) void codes16_avx2(int fmt, const ui
         return;
     }
     const __m256i c = codes_avx2(fmt, blk, j);
-    const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
-    const __m256i ext = is_signed ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), c) : _mm256_setzero_si256();
+    const __m256i ext = signed_codes(fmt) ? _mm256_cmpgt_epi8(_mm256_setzero_si256(), c) : _mm256_setzero_si256();
     w[0] = _mm256_unpacklo_epi8(c, ext);
     w[1] = _mm256_unpackhi_epi8(c, ext);
 }
@@ -211,10 +210,9 @@ static inline __attribute__((always_inline)) void codes16_avx2(int fmt, const ui
  * their sums fit 32 bits (4 |s| |q| <= 4 * 255 * 32767). */
 static inline __attribute__((always_inline)) __m256i lane_dots16(int fmt, const __m256i w[2], const int16_t *q,
                                                                   const int32_t *ol) {
-    const int is_signed = fmt == GGML_Q8_0 || fmt == GGML_IQ4_NL;
     const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)q)),
                                        _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)q + 1)));
-    return is_signed || !code_offset(fmt) ? p : _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol));
+    return signed_codes(fmt) || !code_offset(fmt) ? p : _mm256_sub_epi32(p, _mm256_loadu_si256((const __m256i *)ol));
 }
 
 /* x's block xb (of each of the RB rows) against weights 32j .. 32j + 31 of the weight block at blk,

@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q8_BLOCK = 32 };
+enum { ACT_BLOCK = 32 };
 
 /* Where weight i of a block of 32 sits in a 16-bit layout, and which of the 8 lanes sums it. */
 static inline int q16_pos(int natural, int i) {
@@ -40,14 +40,14 @@ static inline int q16_lane(int natural, int i) { return (q16_pos(natural, i) & 1
 static inline int int_block_scalar(int bits, int natural, const float *x, void *q, float *d, int32_t lane[8]) {
     const float top = bits == 8 ? 127.f : 32767.f;
     float amax = 0.f;
-    for (int i = 0; i < Q8_BLOCK; i++) {
+    for (int i = 0; i < ACT_BLOCK; i++) {
         const float a = fabsf(x[i]);
         amax = a > amax ? a : amax;
     }
     const float dx = amax / top, id = dx > 0.f ? 1.f / dx : 0.f;
     int sum = 0;
     for (int l = 0; l < 8; l++) lane[l] = 0;
-    for (int i = 0; i < Q8_BLOCK; i++) {
+    for (int i = 0; i < ACT_BLOCK; i++) {
         const float v = nearbyintf(x[i] * id); /* the default rounding mode: ties to even */
         const int c = (int)(v > top ? top : v < -top ? -top : v);
         if (bits == 8) {
@@ -134,7 +134,7 @@ static void free_x(qx_t *qx) {
  * rounding too). */
 static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int natural, int offset, int portable,
                       qx_t *out) {
-    const int64_t blocks = rows * k / Q8_BLOCK;
+    const int64_t blocks = rows * k / ACT_BLOCK;
     out->q = malloc((size_t)(rows * k) * (size_t)(bits / 8));
     out->dx = malloc(sizeof(float) * (size_t)blocks);
     out->sx = malloc(sizeof(float) * (size_t)blocks);
@@ -142,9 +142,9 @@ static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int nat
     if (!out->q || !out->dx || !out->sx || !out->ol) return -1;
     for (int64_t b = 0; b < blocks; b++) {
         int32_t *lane = out->ol + b * 8;
-        void *q = (char *)out->q + b * Q8_BLOCK * (bits / 8);
-        const int sum = portable ? int_block_scalar(bits, natural, x + b * Q8_BLOCK, q, &out->dx[b], lane)
-                                 : int_block(bits, natural, x + b * Q8_BLOCK, q, &out->dx[b], lane);
+        void *q = (char *)out->q + b * ACT_BLOCK * (bits / 8);
+        const int sum = portable ? int_block_scalar(bits, natural, x + b * ACT_BLOCK, q, &out->dx[b], lane)
+                                 : int_block(bits, natural, x + b * ACT_BLOCK, q, &out->dx[b], lane);
         for (int l = 0; l < 8; l++) lane[l] *= offset;
         out->sx[b] = out->dx[b] * (float)sum;
     }
