@@ -128,7 +128,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "per 32 values and multiply in integers (16: within about 2^-16 of fp32; 8: as "
                         "llama.cpp does, fastest, changes answers; see docs/cpu-kernels.md) (default: 16 with "
                         "--dtype auto where batch invariance is off and the probe finds it faster on this CPU, "
-                        "else 32)"),
+                        "else 32)")
     return parser
 
 
