@@ -69,6 +69,21 @@ def test_settings_do_not_change_tokens(tiny_llama_dir, async_mode):
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
+def test_a_prompt_cached_whole_computes_only_its_last_token(tiny_llama_dir, async_mode):
+    """A prompt whose blocks are all cached (its length a multiple of the block size) reuses every token
+    but the last, its last block's KV copied by the worker: the tokens stay those without the cache."""
+    ids = [list(range(100, 164)), list(range(100, 132)) + list(range(300, 332))]  # 4 blocks of 16 each
+    with LLM(model=str(tiny_llama_dir), dtype="float32", async_scheduling=async_mode, show_progress=False) as llm:
+        first = llm.generate(ids, GREEDY, use_tqdm=False)
+        again = llm.generate(ids, GREEDY, use_tqdm=False)
+        assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.num_blocks
+    off, _ = run(tiny_llama_dir, ids, async_scheduling=async_mode, enable_prefix_caching=False)
+    assert [o.num_cached_tokens for o in again] == [63, 63]
+    want = [o.outputs[0].token_ids for o in off]
+    assert [o.outputs[0].token_ids for o in first] == want and [o.outputs[0].token_ids for o in again] == want
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
 def test_preemption_keeps_tokens(tiny_llama_dir, async_mode):
     ids = token_prompts(tiny_llama_dir, PROMPTS)
     base, _ = run(tiny_llama_dir, ids, async_scheduling=async_mode)

@@ -131,6 +131,11 @@ def test_mp_matches_uni(varied_llama_dir, reference, tp, async_, open_llm):
     llm = open_llm(varied_llama_dir, "mp", tp, async_)
     assert len(live_children()) == tp
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    # A prompt cached whole computes only its last token, each rank copying its share of the last block.
+    whole = [list(range(100, 132))]
+    first = llm.generate(whole, greedy(), use_tqdm=False)
+    again = llm.generate(whole, greedy(), use_tqdm=False)
+    assert again[0].num_cached_tokens == 31 and token_ids(again) == token_ids(first)
     llm.shutdown()
     assert_clean()
 

@@ -170,6 +170,12 @@ def test_pp2_tp2_async_matches_uni(pp_model_dir, reference, track_llm):
                         async_scheduling=True, dtype="float32", show_progress=False, max_num_batched_tokens=8))
     assert len(live_children()) == 4 and llm.engine.core.executor.output_rank == 2
     assert generate(llm) == reference
+    # A prompt cached whole computes only its last token: every stage and rank copies its last block.
+    whole = [list(range(100, 132))]
+    first = llm.generate(whole, greedy(), use_tqdm=False)
+    again = llm.generate(whole, greedy(), use_tqdm=False)
+    assert again[0].num_cached_tokens == 31
+    assert [list(o.outputs[0].token_ids) for o in again] == [list(o.outputs[0].token_ids) for o in first]
     llm.shutdown()
     assert_clean()
 

@@ -150,6 +150,27 @@ def test_prefix_cache_shares_identical_prompts_in_one_step():
     assert sched.requests["q"].num_cached_tokens == 12
 
 
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_prefix_cache_copies_a_cached_last_block_and_computes_only_the_last_token(async_mode):
+    sched = make(async_mode, block_size=4)
+    sched.add_request(req("p", 12))
+    sched.add_request(req("q", 12))
+    so = sched.schedule()
+    # In p's own step its blocks are not computed yet: q shares them but copies none.
+    assert so.num_scheduled_tokens == {"p": 12, "q": 4} and [n.copy_block for n in so.new_reqs] == [-1, -1]
+    sched.update_from_output(so, ScriptedRunner().run(so))
+    sched.add_request(req("r", 12))
+    sched.add_request(req("s", 13))  # its last block is partial: nothing to copy, its 12 cached tokens shared
+    so = sched.schedule()
+    new = {n.request_id: n for n in so.new_reqs}
+    assert so.num_scheduled_tokens["r"] == 1 and new["r"].num_computed_tokens == 11
+    pb, rb = sched.kv.block_ids("p"), sched.kv.block_ids("r")
+    assert rb[:2] == pb[:2] and new["r"].copy_block == pb[2] and rb[2] not in pb
+    assert so.num_scheduled_tokens["s"] == 1 and new["s"].copy_block == -1
+    assert sched.kv.block_ids("s")[:3] == pb[:3]
+    assert sched.requests["r"].num_cached_tokens == 11 and sched.requests["s"].num_cached_tokens == 12
+
+
 def test_async_never_schedules_past_max_tokens():
     sched = make(True)
     sched.add_request(req("m", 4, max_tokens=2))

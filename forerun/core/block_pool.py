@@ -15,6 +15,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = field(default=())
+    cached_step: int = -1  # the scheduler step that indexed it (its tokens are computed in that step)
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -84,13 +85,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], step: int) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self._cached:
             return  # an identical block is already indexed; this one stays private
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.cached_step = step
         self._cached[block_hash] = block
 
     def reset_cache(self) -> None:

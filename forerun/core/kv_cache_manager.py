@@ -23,7 +23,10 @@ class KVCacheManager:
 
     Invariants: a request's block list covers at least its `num_computed_tokens`; only full blocks of
     committed tokens are ever hashed (in-flight tokens are unknown here); the last prompt token is never
-    served from the cache, so every admitted request computes at least one token.
+    served from the cache, so every admitted request computes at least one token. Where the block that
+    holds it is cached too, the request gets a copy of that block (the worker copies it before the
+    step) and computes only that token, not the whole block again, as llama.cpp's server reuses a
+    cached prompt up to its last token.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
@@ -33,6 +36,13 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # The scheduler step being formed: a block indexed in it is computed by that step's forward, so
+        # it may be shared within the step but not copied (the worker copies before the forward).
+        self.step = 0
+
+    def new_step(self) -> None:
+        """Called as the scheduler starts forming a step."""
+        self.step += 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,11 +67,14 @@ class KVCacheManager:
             parent = req.block_hashes[-1] if i else None
             req.block_hashes.append(chain_hash(parent, tuple(tokens[i * bs:(i + 1) * bs])))
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of a request that has no blocks yet, and how many tokens it covers."""
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int, KVBlock | None]:
+        """Longest cached prefix of a request that has no blocks yet: the blocks it shares, how many
+        tokens are computed with them, and the cached block to copy into its next block, or None. The
+        copy comes where every token but the last is cached and the last fills its block: that block
+        is cached too, and its first tokens are reused while the last one is computed again."""
         # A request asking for prompt logprobs must compute every prompt position, as in vLLM.
         if not self.enable_caching or req.pooling or req.prompt_logprobs is not None:
-            return [], 0
+            return [], 0, None
         self._update_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -71,19 +84,27 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        num_cached, copy_from = len(hits) * bs, None
+        if len(hits) == max_blocks and req.num_tokens % bs == 0:
+            last = self.pool.lookup(req.block_hashes[max_blocks], tuple(req.all_token_ids[max_blocks * bs:]))
+            if last is not None and last.cached_step < self.step:
+                num_cached, copy_from = req.num_tokens - 1, last
         self.stats.queried_tokens += req.num_tokens
-        self.stats.hit_tokens += len(hits) * bs
-        return hits, len(hits) * bs
+        self.stats.hit_tokens += num_cached
+        return hits, num_cached, copy_from
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
-        """Make room for `num_new_tokens` after the computed ones; False (and no change) if the pool is short."""
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None,
+                       num_cached: int | None = None) -> bool:
+        """Make room for `num_new_tokens` after the computed ones; False (and no change) if the pool is short.
+        At admission, `computed_blocks` and `num_cached` are get_computed_blocks' (the tokens may reach
+        into a block after the shared ones: the copied one, allocated here)."""
         held = self.req_blocks.get(req.request_id, [])
-        if not computed_blocks:
+        if not computed_blocks and num_cached is None:
             if -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) <= len(held):
                 return True  # the common case, a decode inside its last block: nothing changes (every step)
-            computed_blocks = []
-        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        computed_blocks = computed_blocks or []
+        num_computed = req.num_computed_tokens + (len(computed_blocks) * self.block_size if num_cached is None
+                                                  else num_cached)
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(computed_blocks)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(needed, 0) + revived > self.pool.num_free_blocks:
@@ -111,7 +132,7 @@ class KVCacheManager:
         full = min(num_tokens // self.block_size, len(req.block_hashes), len(blocks))
         bs = self.block_size
         for i in range(start, full):
-            self.pool.cache(blocks[i], req.block_hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+            self.pool.cache(blocks[i], req.block_hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]), self.step)
         if full > start:
             self._num_hashed[req.request_id] = full
 
@@ -135,7 +156,8 @@ class NoKVCache(KVCacheManager):
         self._num_hashed = {}
         self.stats = PrefixCacheStats()
         self.pool = BlockPool(1, False)  # a stand-in so counters read "all free"
+        self.step = 0
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None,
+                       num_cached: int | None = None) -> bool:
         return True

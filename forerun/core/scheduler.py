@@ -155,6 +155,7 @@ class Scheduler:
         preempted: set[str] = set()
         draft_slots: dict[str, int] = {}
         spec_on = self._spec_on()
+        self.kv.new_step()
 
         policy = self.step_policy
         decode_ready = policy.needs_decode_ready and self._decode_ready()
@@ -286,7 +287,7 @@ class Scheduler:
                 if not popped.finished:
                     skipped.append(popped)
                 continue
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            computed_blocks, num_cached, copy_from = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_cached
             if n > budget and self.config.encoder_only:
                 if num_scheduled:
@@ -295,7 +296,7 @@ class Scheduler:
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_slots(req, n, computed_blocks):
+            if not self.kv.allocate_slots(req, n, computed_blocks, num_cached):
                 break
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING and req.num_preemptions == 0:
@@ -312,7 +313,8 @@ class Scheduler:
             self._sent_blocks[req.request_id] = len(ids)
             sp = None if req.pooling else req.sampling_params
             new_reqs.append(NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                                           sp, ids, num_cached, req.eos_token_ids))
+                                           sp, ids, num_cached, req.eos_token_ids,
+                                           -1 if copy_from is None else copy_from.block_id))
         self.waiting.extendleft(reversed(skipped))
         return budget
 

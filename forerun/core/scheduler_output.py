@@ -18,6 +18,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits)
     eos_token_ids: frozenset[int] = frozenset()
+    # A cached block whose KV the worker copies, before the step, into the block that holds token
+    # num_computed_tokens (the prefix cache's copy of a prompt's last block: see KVCacheManager); -1: none.
+    copy_block: int = -1
 
 
 @dataclass

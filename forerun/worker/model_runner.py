@@ -83,11 +83,20 @@ class ModelRunner:
             self.batch.add(new.request_id, new.token_ids, new.num_prompt_tokens, new.sampling_params,
                            new.eos_token_ids,
                            new.block_ids, new.num_computed_tokens, self.device)
+            if new.copy_block >= 0:
+                self._copy_block(new.copy_block, new.block_ids[new.num_computed_tokens // self.block_size])
         for cached in so.cached_reqs:
             state = self.batch.states[cached.request_id]
             self.batch.append_blocks(state, cached.new_block_ids)
             if self.proposer is None:  # with speculation the scheduler's count is only an upper bound
                 state.num_computed_tokens = cached.num_computed_tokens
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Every layer's K and V of block `src` into block `dst` (the caches are laid out as the model's
+        kv_cache_shape says: K and V first, then blocks). Steps run in order, so `src`, computed by
+        an earlier step, is complete; this step's forward writes only after the copy."""
+        for cache in self.kv_caches:
+            cache[:, dst].copy_(cache[:, src])
 
     # ---- execute -------------------------------------------------------------------------------
     def _begin_step(self, so: SchedulerOutput) -> tuple[float, list[str], list[RowState]] | None:
