@@ -75,6 +75,15 @@ def test_probe_times_the_kernels_and_caches_its_answer(tmp_path: Path, monkeypat
     assert choose_activation_bits(lib, shapes, "Q2_K", cache) == ActivationChoice(32, 0.0)
 
 
+def test_probe_times_every_matmul_at_full_width_with_the_same_work() -> None:
+    # A small matrix timed at its own width is mostly Python's per-call cost, which the one-call decode
+    # step does not pay: every shape is timed as a matrix of the probe's cap, its count scaled to match.
+    for k, n, count in [(576, 576, 30), (576, 49152, 1), (8192, 2048, 16)]:
+        k2, n2, count2 = int_probe.full_width(k, n, count)
+        assert k2 == k and k2 * n2 <= int_probe.PROBE_MAX_ELEMENTS < k2 * (n2 + 1)
+        assert n2 * count2 == pytest.approx(n * count)
+
+
 def test_sixteen_bits_keep_the_bundled_models_greedy_tokens(smollm2_dir: Path) -> None:
     # What makes 16 bits a default: on the bundled model the greedy tokens are those of fp32 products
     # and the logprobs within 1e-2 (8 bits change this model's answers: docs/cpu-kernels.md).

@@ -29,7 +29,7 @@ from forerun.kernels.build import build_name
 from forerun.kernels.busy_watch import BusyWatch
 from forerun.kernels.compact_weights import CompactWeight, block_size
 from forerun.kernels.kquant_gemv import INT_FORMATS, KQuantGemv
-from forerun.kernels.probe import BUSY, best_rounds, capped, fresh_entry, read_cache, write_cache
+from forerun.kernels.probe import BUSY, PROBE_MAX_ELEMENTS, best_rounds, fresh_entry, read_cache, write_cache
 from forerun.platform import cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -51,13 +51,23 @@ class ActivationChoice:
         return f"{self.bits}-bit (16-bit GEMV {self.speedup:.2f}x the fp32 GEMV at one row)"
 
 
+def full_width(k: int, n: int, count: float) -> tuple[int, int, float]:
+    """(k, n, count) with n set so that k * n is the probe's cap (PROBE_MAX_ELEMENTS), count changed to
+    keep the work. Why: each timed call goes through Python, microseconds that the one-call decode
+    step does not pay per matmul; at a small matrix's own width they hid much of the 16-bit GEMV's
+    gain (SmolLM2's 576-wide Q4_1 matmuls: 1.07-1.27x in different runs, 1.30-1.33x at full width,
+    where the model's decode ran about 1.2x as fast; AMD EPYC, AVX2 only)."""
+    wide = max(16, PROBE_MAX_ELEMENTS // k)
+    return k, wide, count * n / wide
+
+
 def measure_int16_speedup(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]], fmt: str, rounds: int = 5) -> float:
-    """fp32 GEMV time over 16-bit GEMV time for one row through `shapes` ((in, out, count), each cut to
-    the probe's usual cap) over random `fmt` blocks, timed round-robin (best round each)."""
+    """fp32 GEMV time over 16-bit GEMV time for one row through `shapes` ((in, out, count), each timed
+    at full_width) over random `fmt` blocks, timed round-robin (best round each)."""
     gen = torch.Generator().manual_seed(0)  # never the global RNG: see probe.measure
     fp32, int16 = [], []
     with torch.inference_mode():
-        for k, n, count in (capped(k, n, c) for k, n, c in shapes if k % block_size(fmt) == 0):
+        for k, n, count in (full_width(k, n, c) for k, n, c in shapes if k % block_size(fmt) == 0):
             w = CompactWeight.random(fmt, n, k, gen)
             x = torch.rand(1, k, generator=gen)
             fp32.append((KQuantGemv(lib, w.data, fmt, k), x, count))
@@ -76,7 +86,7 @@ def choose_activation_bits(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]],
     this machine measured it."""
     if fmt not in INT_FORMATS:
         return ActivationChoice(32, 0.0)
-    key = json.dumps(["int16_gemv", build_name(lib), cpu_signature(), torch.__version__, torch.get_num_threads(),
+    key = json.dumps(["int16_gemv_full_width", build_name(lib), cpu_signature(), torch.__version__, torch.get_num_threads(),
                       shapes, fmt])
     cache = read_cache(cache_file)
     entry = fresh_entry(cache.get(key))
