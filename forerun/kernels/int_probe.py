@@ -86,8 +86,8 @@ def choose_activation_bits(lib: ctypes.CDLL, shapes: list[tuple[int, int, int]],
     this machine measured it."""
     if fmt not in INT_FORMATS:
         return ActivationChoice(32, 0.0)
-    key = json.dumps(["int16_gemv_full_width", build_name(lib), cpu_signature(), torch.__version__, torch.get_num_threads(),
-                      shapes, fmt])
+    key = json.dumps(["int16_gemv_full_width", build_name(lib), cpu_signature(), torch.__version__,
+                      torch.get_num_threads(), shapes, fmt])
     cache = read_cache(cache_file)
     entry = fresh_entry(cache.get(key))
     if entry is not None and isinstance(entry.get("speedup"), float):
