@@ -34,8 +34,10 @@
         }                                                                                          \
     }
 
-/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]. 16 lanes at a time: the exp's instructions bound
- * it (2,048 x 1,408 bf16 took 1.6 ms at 8 lanes); every width computes the same bits. */
+/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]. 16 lanes at a time with AVX-512: the exp's
+ * instructions bound it (2,048 x 1,408 bf16 took 1.6 ms at 8 lanes); without it 8, since GCC keeps a
+ * 16-wide vector in two AVX2 registers and the exp's temporaries then left the registers (one row of
+ * 8,192, AMD EPYC with AVX2 only: 24.7 us at 16 lanes, 7.7 at 8). Every width computes the same bits. */
 #define SILU_MUL(NAME, T, LD, ST, LD8, ST8, LD16, ST16)                                            \
     void NAME(const T *gu, T *out, int64_t rows, int64_t inter, int nthreads) {                    \
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                         \
@@ -43,7 +45,7 @@
             const T *g = gu + r * 2 * inter, *u = g + inter;                                       \
             T *o = out + r * inter;                                                                \
             int64_t i = 0;                                                                         \
-            for (; i + 16 <= inter; i += 16) {                                                     \
+            for (; VEC16_NATIVE && i + 16 <= inter; i += 16) {                                     \
                 const v16f a = LD16(g + i);                                                        \
                 ST16(o + i, a / (splat16(1.f) + exp16(-a)) * LD16(u + i));                         \
             }                                                                                      \
