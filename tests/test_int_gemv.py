@@ -90,8 +90,12 @@ def test_sixteen_bits_are_far_closer_to_fp32_than_eight(lib):
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("fmt", INT_FORMATS)
-def test_paths_rows_and_threads_give_the_same_bits(lib, fmt, bits):
-    k, n = FORMATS[fmt].weights * 5, 19
+@pytest.mark.parametrize(("long_rows", "n"), [(False, 19), (False, 20), (True, 19)])
+def test_paths_rows_and_threads_give_the_same_bits(lib, fmt, bits, long_rows, n):
+    # One row of x over rows of at most 2048 weights takes three weight rows at a time (n = 19, 20: the
+    # last one or two alone); long rows (past 2048 weights) go a weight row at a time.
+    weights = FORMATS[fmt].weights
+    k = (2048 // weights + 1) * weights if long_rows else weights * 5
     blocks = torch.from_numpy(_blocks(fmt, n, k, seed=3))
     x = _x(7, k, seed=4)
     paths = available_isas(lib, activation_bits=bits)
