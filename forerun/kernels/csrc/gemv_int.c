@@ -148,11 +148,11 @@ static inline __attribute__((always_inline)) void wrows_avx2(int fmt, int bits, 
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             for (int o = 0; o < WR * bs; o += 64)
                 _mm_prefetch((const char *)w0 + PREFETCH_AHEAD + sb * WR * bs + o, _MM_HINT_T0);
-            for (int r = 0; r < WR; r++) superblock_avx2(fmt, bits, 1, qx, xr, nb, sb, w0 + r * stride + sb * bs, acc + r, msv + r);
+            for (int r = 0; r < WR; r++)
+                superblock_avx2(fmt, bits, 1, qx, xr, nb, sb, w0 + r * stride + sb * bs, acc + r, msv + r);
         }
         for (int r = 0; r < WR; r++) _mm256_storeu_ps(ms[r], msv[r]);
-    }
-    for (int64_t b = 0; block_weights(fmt) == QK && b < nb; b += 2) {
+    } else for (int64_t b = 0; b < nb; b += 2) {
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) { /* chains named at compile time, as in row_avx2 */
             const int64_t at = b + h;
             if (at >= nb) break;

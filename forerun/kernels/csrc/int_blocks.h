@@ -52,7 +52,8 @@ static inline int qs_at(int fmt) {
 }
 static inline int qh_at(int fmt) { return fmt == GGML_Q5_1 ? 4 : 2; }
 
-/* The minimum's sums added to the 16 lanes' tree, as the file's comment says (two, or eight for the K-quants). */
+/* The minimum's sums added to the 16 lanes' tree, as gemv_int.c's comment says (two, or eight for the
+ * K-quants). */
 static inline float finish(int fmt, float tree, const float ms[8]) {
     if (!has_min(fmt)) return tree;
     return block_weights(fmt) == QK ? tree + (ms[0] + ms[1]) : tree + tree8(ms);
