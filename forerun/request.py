@@ -51,6 +51,16 @@ class Request:
     returns a token it has not seen.
     """
 
+    # Slots, not a __dict__: the engine thread reads and updates every running request each step, just
+    # after the forward has streamed the weights through the caches, so the fewer cache lines a request
+    # spans the less that step waits (with the stop test's fields below, 4-6% less engine CPU a step on
+    # the tiny model's 256 requests; docs/benchmarks.md).
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "pooling",
+                 "priority", "all_token_ids", "output_token_ids", "num_computed_tokens", "num_output_placeholders",
+                 "num_cached_tokens", "num_preemptions", "status", "stop_reason", "block_hashes", "grammar",
+                 "grammar_future", "use_spec", "final_only", "first_token_time", "prompt_logprobs", "prompt_ranks",
+                 "min_tokens", "eos_stops", "stop_token_ids", "max_tokens")
+
     def __init__(self, core_request: EngineCoreRequest, max_model_len: int) -> None:
         self.request_id = core_request.request_id
         self.prompt_token_ids = list(core_request.prompt_token_ids)
@@ -83,6 +93,11 @@ class Request:
         asks = self.sampling_params.prompt_logprobs is not None and not self.pooling
         self.prompt_logprobs: list[dict[int, float] | None] | None = [None] * len(self.prompt_token_ids) if asks else None
         self.prompt_ranks: list[int | None] | None = [None] * len(self.prompt_token_ids) if asks else None
+        # What the stop test reads after each token, kept here so that it does not touch the sampling
+        # parameters' object a step: EOS ids (none with ignore_eos), stop token ids, min_tokens.
+        self.min_tokens = sp.min_tokens
+        self.eos_stops = frozenset() if sp.ignore_eos else self.eos_token_ids
+        self.stop_token_ids = frozenset(sp.stop_token_ids or ())
         budget = max_model_len - len(self.prompt_token_ids)
         asked = self.sampling_params.max_tokens
         self.max_tokens = budget if asked is None else min(asked, budget)

@@ -221,3 +221,33 @@ def test_final_only_requests_are_sent_once_with_every_token(async_mode):
     for rid in ("stops", "logprobs", "stream"):
         assert [len(o.new_token_ids) for o in per_request[rid]] == [1] * len(got[rid])
         assert all(o.first_token_time is None for o in per_request[rid])
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_stop_test_reads_eos_stop_ids_and_min_tokens_as_the_request_asked(async_mode):
+    """The stop test's fields are copied onto the request at admission: EOS ends a request unless it asks
+    ignore_eos, a stop token id ends it with that token as its stop reason, and neither counts before
+    min_tokens outputs."""
+    cases = {"eos": ({}, "stop", None, 3), "ignore": (dict(ignore_eos=True), "length", None, 8),
+             "stop_id": (dict(stop_token_ids=[102]), "stop", 102, 3),
+             "min": (dict(min_tokens=5), "length", None, 8)}
+    sched = make(async_mode)
+    for rid, (kw, _, _, _) in cases.items():
+        sched.add_request(req(rid, 4, max_tokens=8, **kw))
+    outputs, _ = drive(sched, ScriptedRunner(eos_at={"eos": 2, "ignore": 2, "min": 2}), async_mode)
+    got, reasons = tokens_by_request(outputs)
+    stop_reasons = {o.request_id: o.stop_reason for o in outputs if o.finish_reason}
+    for rid, (_, reason, stop_reason, count) in cases.items():
+        assert (reasons[rid], stop_reasons[rid], len(got[rid])) == (reason, stop_reason, count), rid
+    assert got["stop_id"][-1] == 102 and got["eos"][-1] == 2
+
+
+def test_per_request_state_has_no_instance_dict():
+    """The engine reads these per request and step just after the weights have streamed through the
+    caches; slots keep each in fewer cache lines (forerun.request.Request)."""
+    from forerun.core.block_pool import KVBlock
+    from forerun.core.scheduler_output import CachedRequestData
+    from forerun.worker.input_batch import RowState
+    objs = [req("r", 4), KVBlock(0), CachedRequestData("r", [], 0),
+            RowState("r", 0, 4, 4, 0, None, frozenset(), [])]
+    assert [type(o).__name__ for o in objs if hasattr(o, "__dict__")] == []

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class KVBlock:
     """One block of KV slots. A block with a hash holds exactly the tokens `token_ids` after the prefix
     named by its parent hash; it stays findable in the cache while free until it is evicted."""

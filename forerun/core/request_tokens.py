@@ -30,11 +30,10 @@ def append_tokens(req: Request, tokens: list[int], rid: str) -> tuple[list[int],
 def check_stop(req: Request, token: int) -> RequestStatus | None:
     """The status `token`, just appended, ends the request with: EOS or a stop token (after min_tokens),
     a finished grammar, or max_tokens; None to go on."""
-    sp = req.sampling_params
-    if len(req.output_token_ids) > sp.min_tokens or sp.min_tokens == 0:
-        if not sp.ignore_eos and token in req.eos_token_ids:
+    if req.min_tokens == 0 or len(req.output_token_ids) > req.min_tokens:
+        if token in req.eos_stops:
             return RequestStatus.FINISHED_STOPPED
-        if sp.stop_token_ids and token in sp.stop_token_ids:
+        if token in req.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
     if req.grammar is not None and req.grammar.is_terminated():

@@ -23,7 +23,7 @@ class NewRequestData:
     copy_block: int = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """Only what changed for a request the worker already holds."""
 

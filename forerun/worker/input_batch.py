@@ -41,7 +41,7 @@ class LogitControls:
                    banned_after=tuple((tuple(w[:-1]), w[-1]) for w in words if len(w) > 1))
 
 
-@dataclass
+@dataclass(slots=True)
 class RowState:
     """Worker-side state of one request.
 
