@@ -53,7 +53,7 @@ class Request:
 
     # Slots, not a __dict__: the engine thread reads and updates every running request each step, just
     # after the forward has streamed the weights through the caches, so the fewer cache lines a request
-    # spans the less that step waits (with the stop test's fields below, 4-6% less engine CPU a step on
+    # spans the less that step waits (with the stop test's fields below, 5-7% less engine CPU a step on
     # the tiny model's 256 requests; docs/benchmarks.md).
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "pooling",
                  "priority", "all_token_ids", "output_token_ids", "num_computed_tokens", "num_output_placeholders",
