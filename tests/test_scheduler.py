@@ -8,10 +8,13 @@ from collections import deque
 import pytest
 
 from forerun.core.async_scheduler import AsyncScheduler
+from forerun.core.block_pool import KVBlock
 from forerun.core.kv_cache_manager import KVCacheManager
 from forerun.core.scheduler import Scheduler, SchedulerConfig
+from forerun.core.scheduler_output import CachedRequestData
 from forerun.request import EngineCoreRequest, Request, RequestStatus
 from forerun.sampling_params import SamplingParams
+from forerun.worker.input_batch import RowState
 from tests.fake_runner import ScriptedRunner
 
 
@@ -225,7 +228,7 @@ def test_final_only_requests_are_sent_once_with_every_token(async_mode):
 
 @pytest.mark.parametrize("async_mode", [False, True])
 def test_stop_test_reads_eos_stop_ids_and_min_tokens_as_the_request_asked(async_mode):
-    """The stop test's fields are copied onto the request at admission: EOS ends a request unless it asks
+    """The stop test's fields are copied onto the request when it is made: EOS ends a request unless it asks
     ignore_eos, a stop token id ends it with that token as its stop reason, and neither counts before
     min_tokens outputs."""
     cases = {"eos": ({}, "stop", None, 3), "ignore": (dict(ignore_eos=True), "length", None, 8),
@@ -245,9 +248,6 @@ def test_stop_test_reads_eos_stop_ids_and_min_tokens_as_the_request_asked(async_
 def test_per_request_state_has_no_instance_dict():
     """The engine reads these per request and step just after the weights have streamed through the
     caches; slots keep each in fewer cache lines (forerun.request.Request)."""
-    from forerun.core.block_pool import KVBlock
-    from forerun.core.scheduler_output import CachedRequestData
-    from forerun.worker.input_batch import RowState
     objs = [req("r", 4), KVBlock(0), CachedRequestData("r", [], 0),
             RowState("r", 0, 4, 4, 0, None, frozenset(), [])]
     assert [type(o).__name__ for o in objs if hasattr(o, "__dict__")] == []
