@@ -150,9 +150,11 @@ def gguf_name(hf_name: str) -> str:
 def write_model_gguf(path: Path, model: torch.nn.Module, arch: str,
                      qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                      spm: SpmVocab | None = None,
-                     qtypes: Mapping[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0) -> None:
+                     qtypes: Mapping[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0,
+                     rope_freqs: np.ndarray | None = None) -> None:
     """Write `model` (a tiny transformers causal LM) and the tiny vocabulary to a GGUF file
-    (or, given `spm`, that SentencePiece vocabulary instead).
+    (or, given `spm`, that SentencePiece vocabulary instead), with `rope_freqs` as the F32 tensor
+    rope_freqs.weight where given (llama.cpp's form of Llama 3.1-style rope scaling).
 
     `qtypes` overrides `qtype` per GGUF tensor name (a llama.cpp-style mix). Types the gguf package
     cannot quantize (the k-quants, IQ4) get random valid blocks of the weight's spread (from `seed`)
@@ -199,6 +201,8 @@ def write_model_gguf(path: Path, model: torch.nn.Module, arch: str,
         except NotImplementedError:
             raw = random_blocks(kind, data.shape[0], data.shape[1], rng, std=float(data.std()))
         w.add_tensor(gguf_name(name), raw, raw_dtype=kind)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

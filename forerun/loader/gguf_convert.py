@@ -13,7 +13,8 @@ from gguf import GGUFReader
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from forerun.loader.gguf_tensors import check_tensor_type, dequantize_tensor, hf_tensor_name, unpermute_rotary_rows
+from forerun.loader.gguf_tensors import (ROPE_FREQS, check_tensor_type, dequantize_tensor, hf_tensor_name,
+                                        rope_freq_factors, unpermute_rotary_rows)
 from forerun.loader.gguf_pointer import write_pointer
 from forerun.loader.gguf_weights import rotary_heads
 from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
@@ -50,8 +51,10 @@ def _scalar_int(meta: dict[str, Any], key: str, default: int | None = None) -> i
     return int(value)
 
 
-def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool) -> dict[str, Any]:
-    """The Hugging Face `config.json` content for the model this metadata describes."""
+def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool,
+                 freq_factors: list[float] | None = None) -> dict[str, Any]:
+    """The Hugging Face `config.json` content for the model this metadata describes; `freq_factors`:
+    the file's rope_freqs.weight (Llama 3.1-style scaling), kept as forerun's `freq_factors` rope type."""
     arch = str(_field(meta, "general.architecture"))
     if arch not in _ARCHITECTURES:
         raise ValueError(f"gguf: general.architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
@@ -82,6 +85,11 @@ def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool) -> dict[str,
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if freq_factors is not None:
+        if len(freq_factors) != head_dim // 2:
+            raise ValueError(f"gguf: tensor {ROPE_FREQS} holds {len(freq_factors)} factors; heads of {head_dim} "
+                             f"dimensions turn at {head_dim // 2} frequencies")
+        config["rope_scaling"] = {"rope_type": "freq_factors", "factors": freq_factors}
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     elif arch == "qwen3":
@@ -95,6 +103,8 @@ def _fp32_tensors(reader: GGUFReader, config: dict[str, Any], show_progress: boo
     """Every tensor de-quantized to float32, by Hugging Face name, q/k rows in Hugging Face's order."""
     out: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc="de-quantizing GGUF", unit="tensor", disable=not show_progress):
+        if tensor.name == ROPE_FREQS:  # in the config (build_config)
+            continue
         name = hf_tensor_name(tensor.name)
         weight = dequantize_tensor(tensor)
         heads = rotary_heads(name, config)
@@ -108,17 +118,19 @@ def _write_json(path: Path, content: dict[str, Any]) -> None:
 
 def _read_checked(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any], dict[str, Any]]:
     """The reader, metadata and Hugging Face config of a GGUF file whose tensors all have a name and a
-    type forerun reads; ValueError naming the field otherwise, before any tensor data is read."""
+    type forerun reads; ValueError naming the field otherwise, before any weight's data is read."""
     reader = GGUFReader(gguf_path)
     meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
+    by_name = {t.name: t for t in reader.tensors}
     for tensor in reader.tensors:
-        hf_tensor_name(tensor.name)
+        if tensor.name != ROPE_FREQS:
+            hf_tensor_name(tensor.name)
         check_tensor_type(tensor)
-    if "token_embd.weight" not in names:
+    if "token_embd.weight" not in by_name:
         raise ValueError("gguf: tensor token_embd.weight is missing")
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    config = build_config(meta, vocab_rows=int(embed.shape[-1]), tied="output.weight" not in names)
+    factors = rope_freq_factors(by_name[ROPE_FREQS]) if ROPE_FREQS in by_name else None
+    config = build_config(meta, vocab_rows=int(by_name["token_embd.weight"].shape[-1]),
+                          tied="output.weight" not in by_name, freq_factors=factors)
     return reader, meta, config
 
 
@@ -149,7 +161,9 @@ def describe_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def export_hf_folder(gguf_path: Path, out_dir: Path, show_progress: bool = False) -> None:
     """Write the GGUF file as a Hugging Face folder with float32 safetensors (de-quantized exactly as
-    gguf's reference does): for other tools, such as transformers as a reference in tests."""
+    gguf's reference does): for other tools, such as transformers as a reference in tests. A file's
+    rope_freqs.weight stays in the config as forerun's `freq_factors` rope type, which transformers
+    refuses: it cannot name the llama3 parameters the factors came from."""
     reader, meta, config = _read_checked(gguf_path)
     _write_description(meta, config, out_dir)
     save_file(_fp32_tensors(reader, config, show_progress), str(out_dir / "model.safetensors"),

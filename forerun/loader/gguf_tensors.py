@@ -40,6 +40,10 @@ _BLOCK_NAMES = {
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
+# Not a weight: llama.cpp's converter writes Llama 3.1-style rope scaling as one divisor per rotary
+# frequency (each pair of head dimensions turns at base^(-2i / head_dim) / factor_i radians a position).
+ROPE_FREQS = "rope_freqs.weight"
+
 
 def supported_type_names() -> str:
     """Comma-separated names of the supported tensor types, for error messages."""
@@ -80,9 +84,19 @@ def hf_tensor_name(gguf_name: str) -> str:
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match and match.group(2) in _BLOCK_NAMES:
         return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
-    if gguf_name == "rope_freqs.weight":
-        raise ValueError("gguf: tensor rope_freqs.weight (Llama 3.1 style rope scaling) is not supported")
+    if gguf_name == ROPE_FREQS:
+        raise ValueError(f"gguf: tensor {ROPE_FREQS} holds rotary frequency factors, not a weight")
     raise ValueError(f"gguf: tensor {gguf_name} has no Llama-family equivalent")
+
+
+def rope_freq_factors(tensor: ReaderTensor) -> list[float]:
+    """The divisors `rope_freqs.weight` holds, one per rotary frequency; ValueError naming the tensor
+    unless each is a positive finite number (a zero or negative one would stop or reverse a rotation)."""
+    check_tensor_type(tensor)
+    values = dequantize_tensor(tensor).reshape(-1)
+    if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise ValueError(f"gguf: tensor {ROPE_FREQS} must hold positive finite factors")
+    return [float(v) for v in values]
 
 
 def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:

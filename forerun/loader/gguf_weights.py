@@ -17,7 +17,7 @@ from torch import Tensor
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.formats import QUANT_FORMATS, QuantFormat
 from forerun.loader.gguf_index import TensorEntry, read_index
-from forerun.loader.gguf_tensors import hf_tensor_name, unpermute_rotary_rows
+from forerun.loader.gguf_tensors import ROPE_FREQS, hf_tensor_name, unpermute_rotary_rows
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
@@ -62,8 +62,9 @@ def main_quant_format(path: Path) -> str | None:
 
 def iter_gguf_weights(path: Path, config: dict[str, Any]) -> Iterator[tuple[str, Tensor | CompactWeight]]:
     """(Hugging Face name, tensor) for every tensor of the GGUF file: float32 tensors for float types and
-    1-D tensors, CompactWeight blocks for quantized matrices; q/k rows in Hugging Face's rotary order."""
-    index = read_index(path)
+    1-D tensors, CompactWeight blocks for quantized matrices; q/k rows in Hugging Face's rotary order.
+    rope_freqs.weight is not a weight (the config holds its factors) and is not yielded."""
+    index = [entry for entry in read_index(path) if entry.name != ROPE_FREQS]
     for entry in index:  # every name and type is checked before any data is read
         hf_tensor_name(entry.name)
         _format(entry)

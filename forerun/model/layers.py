@@ -72,7 +72,13 @@ def _scaled_inv_freq(inv_freq: Tensor, scaling: dict[str, Any] | None) -> Tensor
         # Long wavelengths are stretched by `factor`, short ones kept; the band between blends linearly.
         smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+    if kind == "freq_factors":  # a GGUF file's rope_freqs.weight (forerun.loader.gguf_convert.build_config)
+        factors = torch.tensor([float(f) for f in scaling["factors"]], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_scaling: {factors.numel()} frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
+    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} "
+                     "(supported: default, linear, llama3, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
