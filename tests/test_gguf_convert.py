@@ -150,7 +150,8 @@ def test_tiny_tokenizer_files(tmp_path: Path) -> None:
     cfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert cfg["chat_template"] == CHAT_TEMPLATE
     assert (cfg["bos_token"], cfg["eos_token"], cfg["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == 2
+    # EOS (<|im_end|>) and the control token <|endoftext|>, which also ends generation (tests/test_gguf_stops.py)
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [0, 2]
 
 
 # ---------------------------------------------------------------- the real default model (converted once)

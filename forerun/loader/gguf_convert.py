@@ -143,7 +143,8 @@ def _write_description(meta: dict[str, Any], config: dict[str, Any], out_dir: Pa
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json",
                 tokenizer_config(vocab, meta.get("tokenizer.chat_template"), config["max_position_embeddings"]))
-    generation = {"bos_token_id": vocab.bos_id, "eos_token_id": vocab.eos_id, "pad_token_id": vocab.pad_id}
+    stops: list[int] | int | None = list(vocab.stop_ids) if len(vocab.stop_ids) > 1 else vocab.eos_id
+    generation = {"bos_token_id": vocab.bos_id, "eos_token_id": stops, "pad_token_id": vocab.pad_id}
     _write_json(out_dir / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
 
 

@@ -16,17 +16,9 @@ from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
-from forerun.loader.gguf_vocab import GgufVocab
+from forerun.loader.gguf_vocab import CONTROL, NORMAL, UNKNOWN, USER_DEFINED, GgufVocab
 
 logger = logging.getLogger(__name__)
-
-# llama.cpp token types (gguf.TokenType).
-NORMAL = 1
-UNKNOWN = 2
-CONTROL = 3
-USER_DEFINED = 4
-UNUSED = 5
-BYTE = 6
 
 SPACE_MARK = "\u2581"  # SentencePiece writes a space as this mark ("lower one eighth block")
 

@@ -14,13 +14,9 @@ from tokenizers import pre_tokenizers, processors
 
 from forerun.byte_alphabet import byte_level_alphabet
 from forerun.loader.gguf_spm import build_spm_tokenizer
-from forerun.loader.gguf_vocab import GgufVocab
+from forerun.loader.gguf_vocab import CONTROL, USER_DEFINED, GgufVocab
 
 logger = logging.getLogger(__name__)
-
-# llama.cpp token types (gguf.TokenType): 3 is CONTROL, 4 is USER_DEFINED.
-_CONTROL = 3
-_USER_DEFINED = 4
 
 # Split patterns for the pre-tokenizer names llama.cpp writes to `tokenizer.ggml.pre`.
 # The tiktoken-style pattern (Llama 3 and friends): up to three digits per piece.
@@ -72,7 +68,7 @@ def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
     alphabet = byte_level_alphabet()
     letters = frozenset(alphabet.values())
     spelled = [
-        tok if kind in (_CONTROL, _USER_DEFINED) else _byte_level_spelling(tok, alphabet, letters)
+        tok if kind in (CONTROL, USER_DEFINED) else _byte_level_spelling(tok, alphabet, letters)
         for tok, kind in zip(vocab.tokens, vocab.token_types, strict=True)
     ]
     ids = {tok: i for i, tok in enumerate(spelled)}
@@ -84,8 +80,8 @@ def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
         tokenizer.normalizer = norm
     tokenizer.decoder = decoders.ByteLevel()
     added = [
-        AddedToken(tok, special=kind == _CONTROL, normalized=False)
-        for tok, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind in (_CONTROL, _USER_DEFINED)
+        AddedToken(tok, special=kind == CONTROL, normalized=False)
+        for tok, kind in zip(vocab.tokens, vocab.token_types, strict=True) if kind in (CONTROL, USER_DEFINED)
     ]
     tokenizer.add_tokens(added)
     if vocab.add_bos and vocab.bos_id is not None:

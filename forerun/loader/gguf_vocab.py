@@ -8,6 +8,13 @@ from typing import Any
 
 # The values of `tokenizer.ggml.model` forerun builds tokenizers for.
 _MODELS = ("gpt2", "llama")
+# llama.cpp token types (gguf.TokenType).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# Control tokens that end a turn or a text in the chat formats of the families forerun loads (Llama 3;
+# ChatML: Qwen, SmolLM2). A file names one EOS id, often the end of a text where a chat turn ends on
+# another (a Llama 3 file with EOS <|end_of_text|> ends its turns on <|eot_id|>); llama.cpp stops on
+# all of them, and so does forerun.
+_END_OF_GENERATION = frozenset({"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>"})
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,9 @@ class GgufVocab:
     scores: list[float] = field(default_factory=list)
     add_eos: bool = False
     add_space_prefix: bool = False
+    # The ids that end generation: EOS, the file's end-of-turn and end-of-message ids
+    # (tokenizer.ggml.eot_token_id, eom_token_id), and the control tokens of _END_OF_GENERATION.
+    stop_ids: tuple[int, ...] = ()
 
 
 def _token_id(meta: dict[str, Any], key: str, count: int, default: int | None) -> int | None:
@@ -79,15 +89,21 @@ def vocab_from_metadata(meta: dict[str, Any]) -> GgufVocab:
             raise ValueError("gguf: tokenizer.ggml.tokens and tokenizer.ggml.merges must both be present")
     # llama.cpp's defaults when a key is absent: SentencePiece files mean <unk>=0, <s>=1, </s>=2,
     # a BOS in front and a space prefix; BPE files mean none of these.
+    eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", count, 2 if spm else None)
+    named = (eos_id, *(_token_id(meta, f"tokenizer.ggml.{k}_token_id", count, None) for k in ("eot", "eom")))
+    stops = {i for i in named if i is not None}
+    stops.update(i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == CONTROL
+                 and tok in _END_OF_GENERATION)
     return GgufVocab(
         model=model, pre=str(meta.get("tokenizer.ggml.pre", "default")), tokens=tokens,
         token_types=[int(t) for t in types], merges=merges,
         bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", count, 1 if spm else None),
-        eos_id=_token_id(meta, "tokenizer.ggml.eos_token_id", count, 2 if spm else None),
+        eos_id=eos_id,
         unk_id=_token_id(meta, "tokenizer.ggml.unknown_token_id", count, 0 if spm else None),
         pad_id=_token_id(meta, "tokenizer.ggml.padding_token_id", count, None),
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
         scores=scores,
         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", spm)),
+        stop_ids=tuple(sorted(stops)),
     )

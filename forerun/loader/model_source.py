@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAMES = frozenset({"default", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"})
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache folders' content changes, so stale ones are not reused.
-_CONVERTER_VERSION = "3"  # 3: config, tokenizer and a pointer to the GGUF file, no converted weights
+# 3: config, tokenizer and a pointer to the GGUF file, no converted weights; 4: rope_freqs.weight's factors
+# in the config, every end-of-generation id in generation_config.json
+_CONVERTER_VERSION = "4"
 
 
 def default_model_gguf() -> Path:
