@@ -151,11 +151,11 @@ def write_model_gguf(path: Path, model: torch.nn.Module, arch: str,
                      qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                      spm: SpmVocab | None = None,
                      qtypes: Mapping[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0,
-                     rope_freqs: np.ndarray | None = None, token_ids: Mapping[str, int] | None = None) -> None:
+                     rope_freqs: np.ndarray | None = None, fields: Mapping[str, int] | None = None) -> None:
     """Write `model` (a tiny transformers causal LM) and the tiny vocabulary to a GGUF file
     (or, given `spm`, that SentencePiece vocabulary instead), with `rope_freqs` as the F32 tensor
-    rope_freqs.weight where given (llama.cpp's form of Llama 3.1-style rope scaling), and
-    `token_ids` as further tokenizer.ggml.{name}_token_id fields (eot, eom, ...).
+    rope_freqs.weight where given (llama.cpp's form of Llama 3.1-style rope scaling), and `fields` as
+    further unsigned metadata fields (key: value), each replacing a field of that key written above.
 
     `qtypes` overrides `qtype` per GGUF tensor name (a llama.cpp-style mix). Types the gguf package
     cannot quantize (the k-quants, IQ4) get random valid blocks of the weight's spread (from `seed`)
@@ -187,8 +187,8 @@ def write_model_gguf(path: Path, model: torch.nn.Module, arch: str,
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
         w.add_chat_template(CHAT_TEMPLATE)
-    for key, value in (token_ids or {}).items():
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    for key, value in (fields or {}).items():
+        w.add_uint32(key, value)
     tied = cfg.tie_word_embeddings
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":

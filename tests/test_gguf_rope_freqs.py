@@ -1,4 +1,5 @@
-"""Llama 3.1-style rope scaling in GGUF files (Llama 3.1, 3.2, 3.3 downloads).
+"""The rotary fields of GGUF files: Llama 3.1-style rope scaling (Llama 3.1, 3.2, 3.3 downloads), and
+the shapes forerun's rotary embedding does not compute, refused.
 
 llama.cpp's converter does not write the llama3 `rope_scaling` parameters into the metadata: it writes
 one divisor per rotary frequency as the tensor rope_freqs.weight. The reference here is transformers
@@ -140,3 +141,12 @@ def test_rope_freqs_of_the_wrong_size_or_sign_is_refused(tmp_path: Path) -> None
         write_model_gguf(tmp_path / f"{name}.gguf", model, "llama", rope_freqs=divisors)
         with pytest.raises(ValueError, match=f"rope_freqs.weight.*{message}|{message}.*"):
             describe_gguf(tmp_path / f"{name}.gguf", tmp_path / name)
+
+
+@pytest.mark.parametrize("key", ["llama.rope.dimension_count", "llama.attention.value_length"])
+def test_partial_rotary_or_other_value_size_is_refused(tmp_path: Path, key: str) -> None:
+    write_model_gguf(tmp_path / "m.gguf", _hf_model(False), "llama", fields={key: HEAD_DIM // 2})
+    with pytest.raises(ValueError, match=f"{key} is {HEAD_DIM // 2}; .* head size {HEAD_DIM}"):
+        describe_gguf(tmp_path / "m.gguf", tmp_path / "described")
+    write_model_gguf(tmp_path / "ok.gguf", _hf_model(False), "llama", fields={key: HEAD_DIM})  # as llama.cpp writes it
+    describe_gguf(tmp_path / "ok.gguf", tmp_path / "ok")

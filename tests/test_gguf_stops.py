@@ -46,7 +46,7 @@ def test_generation_stops_on_the_files_end_of_turn_id(tmp_path: Path, eot: int |
     # The tiny vocabulary: 0 <|endoftext|> and 2 <|im_end|> are control tokens that end generation, 2 is
     # EOS; 1 <|im_start|> ends it only where the file names it its end-of-turn id.
     path = tmp_path / "m.gguf"
-    write_model_gguf(path, _tiny(), "llama", token_ids=None if eot is None else {"eot": eot})
+    write_model_gguf(path, _tiny(), "llama", fields=None if eot is None else {"tokenizer.ggml.eot_token_id": eot})
     describe_gguf(path, tmp_path / "described")
     stops = json.loads((tmp_path / "described" / "generation_config.json").read_text())["eos_token_id"]
     assert stops == ([0, 2] if eot is None else [0, 1, 2])
