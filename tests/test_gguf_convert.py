@@ -140,6 +140,13 @@ def test_tiny_model_round_trip(tmp_path: Path, arch: str, tied: bool, hf_class: 
         torch.testing.assert_close(converted(ids).logits, original(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_mixture_of_experts_is_refused_by_its_field(tmp_path: Path) -> None:
+    # Mixtral-style files name their architecture "llama"; the expert count, not a tensor, says why.
+    write_model_gguf(tmp_path / "m.gguf", _tiny_model("llama", True), "llama", fields={"llama.expert_count": 8})
+    with pytest.raises(ValueError, match="llama.expert_count is 8: mixture-of-experts"):
+        describe_gguf(tmp_path / "m.gguf", tmp_path / "out")
+
+
 def test_tiny_tokenizer_files(tmp_path: Path) -> None:
     write_model_gguf(tmp_path / "m.gguf", _tiny_model("llama", True), "llama")
     export_hf_folder(tmp_path / "m.gguf", tmp_path / "hf")

@@ -128,6 +128,10 @@ def _read_checked(gguf_path: Path) -> tuple[GGUFReader, dict[str, Any], dict[str
     type forerun reads; ValueError naming the field otherwise, before any weight's data is read."""
     reader = GGUFReader(gguf_path)
     meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if meta.get(f"{arch}.expert_count"):  # Mixtral-style files say "llama"; their expert tensors have no name here
+        raise ValueError(f"gguf: {arch}.expert_count is {meta[f'{arch}.expert_count']}: mixture-of-experts "
+                         "models are not supported")
     by_name = {t.name: t for t in reader.tensors}
     for tensor in reader.tensors:
         if tensor.name != ROPE_FREQS:
