@@ -9,7 +9,7 @@ from typing import Any
 # The values of `tokenizer.ggml.model` forerun builds tokenizers for.
 _MODELS = ("gpt2", "llama")
 # llama.cpp token types (gguf.TokenType).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 # Control tokens that end a turn or a text in the chat formats of the families forerun loads (Llama 3;
 # ChatML: Qwen, SmolLM2). A file names one EOS id, often the end of a text where a chat turn ends on
 # another (a Llama 3 file with EOS <|end_of_text|> ends its turns on <|eot_id|>); llama.cpp stops on
