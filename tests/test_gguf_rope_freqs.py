@@ -35,7 +35,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 32}
 
 
-def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float, original: float) -> np.ndarray:
+def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                    original: float) -> np.ndarray:
     """What llama.cpp's converter writes for a llama3 scaling, from its definition: per frequency the
     ratio of the unscaled speed to the scaled one (1 for short wavelengths, `factor` for long ones, the
     reciprocal of the linear blend between)."""
@@ -43,7 +44,8 @@ def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high
     wavelen = 2 * math.pi / inv_freq
     smooth = (original / wavelen - low) / (high - low)
     blend = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend)).astype(np.float32)
+    divisors = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend))
+    return divisors.astype(np.float32)
 
 
 def _divisors() -> np.ndarray:
@@ -54,9 +56,9 @@ def _divisors() -> np.ndarray:
 def _hf_model(scaled: bool) -> LlamaForCausalLM:
     rope = {"rope_theta": THETA, **(LLAMA3 if scaled else {"rope_type": "default"})}
     config = LlamaConfig(vocab_size=266, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=MAX_POS,
-                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                         rope_parameters=rope)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                         max_position_embeddings=MAX_POS, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, rope_parameters=rope)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper attention than at initialisation, so that positions matter
