@@ -115,7 +115,8 @@ def test_gguf_with_rope_freqs_matches_transformers_llama3(files: dict[str, Path]
 
 def test_quantized_gguf_with_rope_freqs_matches_transformers(files: dict[str, Path], tmp_path: Path) -> None:
     """Q8_0 matrices, read as blocks by the compact GEMV and the fused decode step, against transformers
-    with the llama3 scaling over the same weights de-quantized (fp32 products: activation_bits=32)."""
+    with the llama3 scaling over the same weights de-quantized (fp32 products: activation_bits=32; the
+    GEMV, and so the fused step, for up to 8 rows whatever this machine's probe found)."""
     write_model_gguf(tmp_path / "q8.gguf", _hf_model(True), "llama", qtype=Q.Q8_0, rope_freqs=_divisors())
     assert {t.tensor_type for t in gguf.GGUFReader(tmp_path / "q8.gguf").tensors if len(t.shape) == 2} == {Q.Q8_0}
     export_hf_folder(tmp_path / "q8.gguf", tmp_path / "export")
@@ -127,7 +128,9 @@ def test_quantized_gguf_with_rope_freqs_matches_transformers(files: dict[str, Pa
     reference.save_pretrained(tmp_path / "hf_q8")
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
-    with LLM(model=str(tmp_path / "q8.gguf"), dtype="float32", activation_bits=32, show_progress=False) as llm:
+    with LLM(model=str(tmp_path / "q8.gguf"), dtype="float32", activation_bits=32, gemv_max_rows=8,
+             show_progress=False) as llm:
+        assert llm.engine.core.executor.worker.model.decode_layers is not None  # the fused step runs
         outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tmp_path / "hf_q8", prompts, 12)
     for ids, out, want in zip(prompts, outs, hf_prompt_logprobs(tmp_path / "hf_q8", prompts)):
@@ -152,3 +155,21 @@ def test_partial_rotary_or_other_value_size_is_refused(tmp_path: Path, key: str)
         describe_gguf(tmp_path / "m.gguf", tmp_path / "described")
     write_model_gguf(tmp_path / "ok.gguf", _hf_model(False), "llama", fields={key: HEAD_DIM})  # as llama.cpp writes it
     describe_gguf(tmp_path / "ok.gguf", tmp_path / "ok")
+
+
+def test_the_rotary_table_holds_the_engines_positions_only(files: dict[str, Path], tmp_path: Path) -> None:
+    """A file's context can far exceed what the engine runs (Llama 3.x: 131,072 positions, 64 MB of table
+    at head_dim 64): the table keeps max_model_len positions, and the last of them decodes as before."""
+    write_model_gguf(tmp_path / "q8.gguf", _hf_model(True), "llama", qtype=Q.Q8_0, rope_freqs=_divisors())
+    prompt = np.random.default_rng(3).integers(3, 266, size=52).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)  # positions 52 .. 63
+    outs = {}
+    for limit in (None, 64):
+        with LLM(model=str(tmp_path / "q8.gguf"), dtype="float32", activation_bits=32, gemv_max_rows=8,
+                 max_model_len=limit, show_progress=False) as llm:
+            model = llm.engine.core.executor.worker.model
+            assert model.model.rotary.table.shape[0] == (limit or MAX_POS)
+            assert model.decode_layers is not None and model.decode_layers.ends.rotary is model.model.rotary.table
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            outs[limit] = (list(out.token_ids), [dict(lp) for lp in out.logprobs])
+    assert outs[64] == outs[None] and len(outs[64][0]) == 12

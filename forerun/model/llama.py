@@ -313,6 +313,17 @@ class LlamaForCausalLM(nn.Module):
         self.decode_layers = None if why else build_fused_step(self, lib, split)
         return why
 
+    def limit_positions(self, max_model_len: int) -> None:
+        """Keep the rotary table's first `max_model_len` positions only: the engine never runs past them,
+        and a Llama 3.x file's 131,072 positions take 64 MB at head_dim 64 where the KV cache usually
+        holds far fewer. The fused decode step points at the table, so it is rebuilt over the new one."""
+        rotary = self.model.rotary
+        if max_model_len >= rotary.table.shape[0]:
+            return
+        rotary.table = rotary.table[:max_model_len].clone()
+        if self.decode_kernels is not None:
+            self.use_decode_layers(*self.decode_kernels)
+
     def use_native_ops(self, ops: NativeOps) -> None:
         """Run norms, rotary and the MLP activation through the fused C kernels where they accept the input."""
         for module in self.modules():

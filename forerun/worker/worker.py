@@ -260,6 +260,7 @@ class Worker:
     def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         caches: list[torch.Tensor] = []
         if not self.encoder_only:
+            self.model.limit_positions(max_model_len)
             shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
             caches = [_zeros(shape, self.dtype, self.device) for _ in self.model.local_layers]
         args = (self.model, caches, self.config.block_size, self.config.max_num_seqs, max_model_len,
