@@ -14,7 +14,7 @@ from gguf_factory import write_model_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forerun import LLM, SamplingParams
-from forerun.loader.gguf_convert import describe_gguf
+from forerun.loader.gguf_convert import describe_gguf, generation_config
 from forerun.loader.gguf_vocab import vocab_from_metadata
 
 
@@ -31,6 +31,15 @@ def test_stop_ids_are_eos_the_named_ids_and_end_of_turn_control_tokens() -> None
     assert vocab_from_metadata(_meta()).stop_ids == (1, 2, 3)  # no EOS id at all
     with pytest.raises(ValueError, match="tokenizer.ggml.eom_token_id"):
         vocab_from_metadata(_meta(eos=1, eom=6))  # past the vocabulary
+
+
+def test_generation_config_names_every_stop_even_a_single_one_that_is_not_eos() -> None:
+    assert generation_config(vocab_from_metadata(_meta(eos=1)))["eos_token_id"] == [1, 2, 3]
+    assert generation_config(vocab_from_metadata(_meta(eos=5, eot=5)))["eos_token_id"] == [1, 2, 3, 5]
+    one = _meta()  # no EOS id, and <|eot_id|> the one control token that ends generation
+    one["tokenizer.ggml.token_type"] = [1, 1, 3, 1, 1, 1]
+    assert vocab_from_metadata(one).stop_ids == (2,)
+    assert generation_config(vocab_from_metadata(one))["eos_token_id"] == 2
 
 
 def _tiny() -> LlamaForCausalLM:

@@ -18,7 +18,7 @@ from forerun.loader.gguf_tensors import (ROPE_FREQS, check_tensor_type, dequanti
 from forerun.loader.gguf_pointer import write_pointer
 from forerun.loader.gguf_weights import rotary_heads
 from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
-from forerun.loader.gguf_vocab import vocab_from_metadata
+from forerun.loader.gguf_vocab import GgufVocab, vocab_from_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +154,15 @@ def _write_description(meta: dict[str, Any], config: dict[str, Any], out_dir: Pa
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json",
                 tokenizer_config(vocab, meta.get("tokenizer.chat_template"), config["max_position_embeddings"]))
-    stops: list[int] | int | None = list(vocab.stop_ids) if len(vocab.stop_ids) > 1 else vocab.eos_id
+    _write_json(out_dir / "generation_config.json", generation_config(vocab))
+
+
+def generation_config(vocab: GgufVocab) -> dict[str, Any]:
+    """generation_config.json's content: BOS, pad, and every id that ends generation (one id, or a list)."""
+    ids = vocab.stop_ids
+    stops: list[int] | int | None = list(ids) if len(ids) > 1 else ids[0] if ids else None
     generation = {"bos_token_id": vocab.bos_id, "eos_token_id": stops, "pad_token_id": vocab.pad_id}
-    _write_json(out_dir / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
+    return {k: v for k, v in generation.items() if v is not None}
 
 
 def describe_gguf(gguf_path: Path, out_dir: Path) -> None:
