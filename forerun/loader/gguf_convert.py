@@ -63,11 +63,11 @@ def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool,
     head_dim = _scalar_int(meta, f"{arch}.attention.key_length", hidden // heads)
     # A rotary embedding over part of each head (or values of another size) is not what forerun's layers
     # compute: refused, so that such a file never runs as if it were a plain Llama.
-    for key, want in ((f"{arch}.rope.dimension_count", "rotary dimensions"), (f"{arch}.attention.value_length",
-                                                                             "value dimensions")):
-        if key in meta and _scalar_int(meta, key) != head_dim:
-            raise ValueError(f"gguf: {key} is {_scalar_int(meta, key)}; forerun needs {want} equal to the "
-                             f"head size {head_dim}")
+    for key, want in ((f"{arch}.rope.dimension_count", "rotary dimensions"),
+                      (f"{arch}.attention.value_length", "value dimensions")):
+        size = _scalar_int(meta, key, head_dim)  # absent: the head size, as llama.cpp reads it
+        if size != head_dim:
+            raise ValueError(f"gguf: {key} is {size}; forerun needs {want} equal to the head size {head_dim}")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"gguf: {arch}.rope.scaling.type {scaling!r} is not supported")
