@@ -151,11 +151,12 @@ def write_model_gguf(path: Path, model: torch.nn.Module, arch: str,
                      qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                      spm: SpmVocab | None = None,
                      qtypes: Mapping[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0,
-                     rope_freqs: np.ndarray | None = None, fields: Mapping[str, int] | None = None) -> None:
+                     rope_freqs: np.ndarray | None = None,
+                     fields: Mapping[str, int | float | str] | None = None) -> None:
     """Write `model` (a tiny transformers causal LM) and the tiny vocabulary to a GGUF file
     (or, given `spm`, that SentencePiece vocabulary instead), with `rope_freqs` as the F32 tensor
     rope_freqs.weight where given (llama.cpp's form of Llama 3.1-style rope scaling), and `fields` as
-    further unsigned metadata fields (key: value), each replacing a field of that key written above.
+    further metadata fields (key: value; an int as uint32, a float as float32, a str as a string).
 
     `qtypes` overrides `qtype` per GGUF tensor name (a llama.cpp-style mix). Types the gguf package
     cannot quantize (the k-quants, IQ4) get random valid blocks of the weight's spread (from `seed`)
@@ -188,7 +189,12 @@ def write_model_gguf(path: Path, model: torch.nn.Module, arch: str,
         w.add_add_bos_token(False)
         w.add_chat_template(CHAT_TEMPLATE)
     for key, value in (fields or {}).items():
-        w.add_uint32(key, value)
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
     tied = cfg.tie_word_embeddings
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from forerun import LLM, SamplingParams
 from forerun.loader.gguf_convert import describe_gguf, export_hf_folder
-from forerun.model.layers import RotaryEmbedding
+from forerun.model.rotary import RotaryEmbedding
 from tests.hf_reference import hf_greedy, hf_prompt_logprobs
 
 THETA, HEAD_DIM, MAX_POS = 10000.0, 16, 160

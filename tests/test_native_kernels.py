@@ -195,7 +195,7 @@ def test_fused_norm_and_activation_match_torch(native, dtype, rows):
 @pytest.mark.parametrize("head_dim", [64, 40, 10])  # bf16: 16-lane runs only, runs and a tail, tail only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_equals_the_stock_ops_bit_for_bit(native, tokens, head_dim, dtype):
-    from forerun.model.layers import RotaryEmbedding
+    from forerun.model.rotary import RotaryEmbedding
     from forerun.kernels.ops import NativeOps
     ops = NativeOps(native.lib)
     rope = RotaryEmbedding(head_dim, 2048, 10000.0).to(dtype)  # a bf16 model's table is bf16

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from forerun.loader.gguf_tensors import (ROPE_FREQS, check_tensor_type, dequantize_tensor, hf_tensor_name,
                                         rope_freq_factors, unpermute_rotary_rows)
 from forerun.loader.gguf_pointer import write_pointer
+from forerun.loader.gguf_rope import rope_scaling
 from forerun.loader.gguf_weights import rotary_heads
 from forerun.loader.gguf_tokenizer import build_tokenizer, tokenizer_config
 from forerun.loader.gguf_vocab import GgufVocab, vocab_from_metadata
@@ -54,23 +55,14 @@ def _scalar_int(meta: dict[str, Any], key: str, default: int | None = None) -> i
 def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool,
                  freq_factors: list[float] | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` content for the model this metadata describes; `freq_factors`:
-    the file's rope_freqs.weight (Llama 3.1-style scaling), kept as forerun's `freq_factors` rope type."""
+    the file's rope_freqs.weight (Llama 3.1-style scaling), kept as forerun's `freq_factors` rope type,
+    where the metadata's rope scaling is read too (forerun.loader.gguf_rope)."""
     arch = str(_field(meta, "general.architecture"))
     if arch not in _ARCHITECTURES:
         raise ValueError(f"gguf: general.architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
     hidden = _scalar_int(meta, f"{arch}.embedding_length")
     heads = _scalar_int(meta, f"{arch}.attention.head_count")
     head_dim = _scalar_int(meta, f"{arch}.attention.key_length", hidden // heads)
-    # A rotary embedding over part of each head (or values of another size) is not what forerun's layers
-    # compute: refused, so that such a file never runs as if it were a plain Llama.
-    for key, want in ((f"{arch}.rope.dimension_count", "rotary dimensions"),
-                      (f"{arch}.attention.value_length", "value dimensions")):
-        size = _scalar_int(meta, key, head_dim)  # absent: the head size, as llama.cpp reads it
-        if size != head_dim:
-            raise ValueError(f"gguf: {key} is {size}; forerun needs {want} equal to the head size {head_dim}")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"gguf: {arch}.rope.scaling.type {scaling!r} is not supported")
     hf_class, model_type = _ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [hf_class],
@@ -92,11 +84,9 @@ def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool,
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if freq_factors is not None:
-        if len(freq_factors) != head_dim // 2:
-            raise ValueError(f"gguf: tensor {ROPE_FREQS} holds {len(freq_factors)} factors; heads of {head_dim} "
-                             f"dimensions turn at {head_dim // 2} frequencies")
-        config["rope_scaling"] = {"rope_type": "freq_factors", "factors": freq_factors}
+    scaling = rope_scaling(meta, arch, head_dim, config["max_position_embeddings"], freq_factors)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     elif arch == "qwen3":

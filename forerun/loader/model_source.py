@@ -24,8 +24,9 @@ DEFAULT_MODEL_NAMES = frozenset({"default", "SmolLM2-135M-Instruct", "HuggingFac
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache folders' content changes, so stale ones are not reused.
 # 3: config, tokenizer and a pointer to the GGUF file, no converted weights; 4: rope_freqs.weight's factors
-# in the config, every end-of-generation id in generation_config.json
-_CONVERTER_VERSION = "4"
+# in the config, every end-of-generation id in generation_config.json; 5: linear and YaRN rope scaling read
+# as llama.cpp reads them (a file with a factor and no type was described unscaled)
+_CONVERTER_VERSION = "5"
 
 
 def default_model_gguf() -> Path:

@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, tensor-parallel linears and embeddings.
+"""Building blocks of the Llama family: RMSNorm, tensor-parallel linears and embeddings.
 
 Parameters are created with `torch.empty` (no random init): every one is overwritten by
 `load_weights`, and skipping init keeps model construction cheap.
@@ -7,8 +7,7 @@ Parameters are created with `torch.empty` (no random init): every one is overwri
 from __future__ import annotations
 
 import logging
-import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,63 +53,6 @@ class RMSNorm(nn.Module):
                 return fused
         residual = x + residual
         return F.rms_norm(residual, self.shape, self.weight, self.eps), residual
-
-
-def _scaled_inv_freq(inv_freq: Tensor, scaling: dict[str, Any] | None) -> Tensor:
-    """Apply a config's `rope_scaling` to the base inverse frequencies."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    assert scaling is not None
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are stretched by `factor`, short ones kept; the band between blends linearly.
-        smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    if kind == "freq_factors":  # a GGUF file's rope_freqs.weight (forerun.loader.gguf_convert.build_config)
-        factors = torch.tensor([float(f) for f in scaling["factors"]], dtype=torch.float32)
-        if factors.shape != inv_freq.shape:
-            raise ValueError(f"rope_scaling: {factors.numel()} frequency factors for {inv_freq.numel()} frequencies")
-        return inv_freq / factors
-    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} "
-                     "(supported: default, linear, llama3, freq_factors)")
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half ("neox") rotary embedding with a precomputed cos/sin table.
-
-    Invariant: `table[p] = cat(cos, cos, -sin, sin)` of position p's angles, so one index_select
-    per step yields both factors for every layer.
-    """
-
-    def __init__(self, head_dim: int, max_position: int, base: float,
-                 scaling: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"head_dim: rotary needs an even head_dim, got {head_dim}")
-        self.head_dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq = _scaled_inv_freq(inv_freq, scaling)
-        angles = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
-        cos, sin = angles.cos(), angles.sin()
-        self.register_buffer("table", torch.cat((cos, cos, -sin, sin), dim=-1), persistent=False)
-
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-token factors [T, 1, head_dim] each, broadcastable over heads."""
-        both = self.table.index_select(0, positions).unsqueeze(1)
-        return both[..., : self.head_dim], both[..., self.head_dim :]
-
-    @staticmethod
-    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Rotate x [T, heads, head_dim]; `sin` carries the sign of rotate-half's first half."""
-        half = x.shape[-1] // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        return torch.addcmul(x * cos, swapped, sin)
 
 
 class PackableLinear(nn.Module):

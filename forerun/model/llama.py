@@ -16,9 +16,10 @@ from forerun.kernels.linear import LinearPlan
 from forerun.kernels.ops import NativeOps
 from forerun.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, ParallelLMHead, RMSNorm,
-                                  RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+                                  RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.llama_fused_step import build_fused_step, why_not_fused
 from forerun.model.parallel import PPStage, TPGroup
+from forerun.model.rotary import RotaryEmbedding
 from forerun.model.weight_update import update_in_place
 
 logger = logging.getLogger(__name__)
