@@ -6,31 +6,14 @@ Byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`) are built here; Sent
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
 from forerun.byte_alphabet import byte_level_alphabet
+from forerun.loader.gguf_pretokenizers import build_pre_tokenizer, pre_tokenizer_family
 from forerun.loader.gguf_spm import build_spm_tokenizer
 from forerun.loader.gguf_vocab import CONTROL, USER_DEFINED, GgufVocab
-
-logger = logging.getLogger(__name__)
-
-# Split patterns for the pre-tokenizer names llama.cpp writes to `tokenizer.ggml.pre`.
-# The tiktoken-style pattern (Llama 3 and friends): up to three digits per piece.
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen2: the same, but each digit is its own piece.
-_QWEN2_PATTERN = _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
-_LLAMA3_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"})
-_QWEN2_NAMES = frozenset({"qwen2", "deepseek-r1-qwen"})
-# StarCoder-lineage vocabularies (SmolLM, SmolLM2) split every digit, then apply GPT-2's regex.
-_DIGIT_SPLIT_NAMES = frozenset({"smollm", "starcoder", "refact"})
-_GPT2_NAMES = frozenset({"gpt2", "default"})
 
 
 def _byte_level_spelling(token: str, alphabet: dict[int, str], letters: frozenset[str]) -> str:
@@ -38,23 +21,6 @@ def _byte_level_spelling(token: str, alphabet: dict[int, str], letters: frozense
     if set(token) <= letters:
         return token
     return "".join(alphabet[b] for b in token.encode("utf-8"))
-
-
-def _pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, normalizers.Normalizer | None]:
-    if pre in _DIGIT_SPLIT_NAMES:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]), None
-    for names, pattern in ((_LLAMA3_NAMES, _LLAMA3_PATTERN), (_QWEN2_NAMES, _QWEN2_PATTERN)):
-        if pre in names:
-            split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
-            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-            # Qwen2's reference tokenizer normalizes to NFC before splitting.
-            return pre_tokenizers.Sequence([split, byte_level]), normalizers.NFC() if names is _QWEN2_NAMES else None
-    if pre not in _GPT2_NAMES:
-        logger.warning("gguf: unknown tokenizer.ggml.pre %r; using GPT-2's split pattern", pre)
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), None
 
 
 def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
@@ -73,8 +39,10 @@ def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
     ]
     ids = {tok: i for i, tok in enumerate(spelled)}
     pairs = [tuple(m.split(" ", 1)) for m in vocab.merges]
-    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=pairs, fuse_unk=False, byte_fallback=False))
-    pre, norm = _pre_tokenizer(vocab.pre)
+    family = pre_tokenizer_family(vocab.pre)
+    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=family.ignore_merges))
+    pre, norm = build_pre_tokenizer(family)
     tokenizer.pre_tokenizer = pre
     if norm is not None:
         tokenizer.normalizer = norm

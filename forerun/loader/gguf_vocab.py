@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from forerun.loader.gguf_pretokenizers import adds_bos_by_default
+
 # The values of `tokenizer.ggml.model` forerun builds tokenizers for.
 _MODELS = ("gpt2", "llama")
 # llama.cpp token types (gguf.TokenType).
@@ -94,14 +96,15 @@ def vocab_from_metadata(meta: dict[str, Any]) -> GgufVocab:
     stops = {i for i in named if i is not None}
     stops.update(i for i, (tok, kind) in enumerate(zip(tokens, types)) if kind == CONTROL
                  and tok in _END_OF_GENERATION)
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
     return GgufVocab(
-        model=model, pre=str(meta.get("tokenizer.ggml.pre", "default")), tokens=tokens,
+        model=model, pre=pre, tokens=tokens,
         token_types=[int(t) for t in types], merges=merges,
         bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", count, 1 if spm else None),
         eos_id=eos_id,
         unk_id=_token_id(meta, "tokenizer.ggml.unknown_token_id", count, 0 if spm else None),
         pad_id=_token_id(meta, "tokenizer.ggml.padding_token_id", count, None),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", spm or adds_bos_by_default(pre))),
         scores=scores,
         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", spm)),

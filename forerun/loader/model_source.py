@@ -25,7 +25,8 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the cache folders' content changes, so stale ones are not reused.
 # 3: config, tokenizer and a pointer to the GGUF file, no converted weights; 4: rope_freqs.weight's factors
 # in the config, every end-of-generation id in generation_config.json; 5: linear and YaRN rope scaling read
-# as llama.cpp reads them (a file with a factor and no type was described unscaled)
+# as llama.cpp reads them (a file with a factor and no type was described unscaled), and the Tekken and
+# DeepSeek-Coder pre-tokenizers, whole-piece lookups and a default BOS for the Llama 3 family
 _CONVERTER_VERSION = "5"
 
 
