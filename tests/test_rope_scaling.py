@@ -51,12 +51,12 @@ def _hf_model(family: str, scaling: dict[str, Any] | None) -> torch.nn.Module:
     return model
 
 
-def _hf_cos_sin(scaling: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' cos and sin [MAX_POS, HEAD_DIM] for `scaling` (its attention factor applied)."""
+def _hf_cos_sin(scaling: dict[str, Any], rows: int = MAX_POS) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' cos and sin [rows, HEAD_DIM] for `scaling` (its attention factor applied)."""
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=HEAD_DIM, max_position_embeddings=MAX_POS,
                          rope_parameters={"rope_theta": THETA, **scaling})
     inv_freq, attention = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
-    angles = torch.outer(torch.arange(MAX_POS, dtype=torch.float32), inv_freq.float())
+    angles = torch.outer(torch.arange(rows, dtype=torch.float32), inv_freq.float())
     both = torch.cat((angles, angles), dim=-1)
     return both.cos() * attention, both.sin() * attention
 
@@ -75,6 +75,25 @@ def test_rotary_table_is_transformers(scaling: dict[str, Any]) -> None:
     torch.testing.assert_close(table[:, HEAD_DIM:HEAD_DIM + half], -sin[:, :half], rtol=0, atol=2e-5)
     torch.testing.assert_close(table[:, HEAD_DIM + half:], sin[:, half:], rtol=0, atol=2e-5)
     assert (table - RotaryEmbedding(HEAD_DIM, MAX_POS, THETA).table).abs().max() > 0.5  # the scaling acts
+
+
+def test_the_table_holds_the_positions_asked_for() -> None:
+    """A long context's table is not built whole with the model (Mistral NeMo: 1,024,000 positions): it
+    starts at 8,192 positions and takes the engine's max_model_len, keeping its dtype."""
+    rope = RotaryEmbedding(HEAD_DIM, 20000, THETA, YARN)
+    first = rope.table.clone()
+    assert first.shape == (8192, 2 * HEAD_DIM)
+    assert rope.resize(12000) and rope.table.shape[0] == 12000
+    torch.testing.assert_close(rope.table[:8192], first, rtol=0, atol=0)
+    cos, sin = _hf_cos_sin(YARN, 12000)  # angles up to 12,000 radians: float32 rounding of ~1e-3
+    torch.testing.assert_close(rope.table[8192:, :HEAD_DIM], cos[8192:], rtol=0, atol=2e-3)
+    torch.testing.assert_close(rope.table[8192:, HEAD_DIM + HEAD_DIM // 2:], sin[8192:, HEAD_DIM // 2:], rtol=0,
+                               atol=2e-3)
+    assert not rope.resize(12000) and rope.resize(30000) and rope.table.shape[0] == 20000  # at most the model's
+    rope.to(torch.bfloat16)
+    assert rope.resize(100) and rope.table.dtype == torch.bfloat16 and rope.table.shape[0] == 100
+    assert rope.resize(9000) and rope.table.dtype == torch.bfloat16
+    torch.testing.assert_close(rope.table[:8192].float(), first.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
 def test_unknown_rope_parameters_are_refused() -> None:

@@ -315,14 +315,11 @@ class LlamaForCausalLM(nn.Module):
         return why
 
     def limit_positions(self, max_model_len: int) -> None:
-        """Keep the rotary table's first `max_model_len` positions only: the engine never runs past them,
-        and a Llama 3.x file's 131,072 positions take 64 MB at head_dim 64 where the KV cache usually
-        holds far fewer. The fused decode step points at the table, so it is rebuilt over the new one."""
-        rotary = self.model.rotary
-        if max_model_len >= rotary.table.shape[0]:
-            return
-        rotary.table = rotary.table[:max_model_len].clone()
-        if self.decode_kernels is not None:
+        """Hold the rotary table for the first `max_model_len` positions (at most the model's): the
+        engine never runs past them, and a file's context can far exceed what the KV cache holds (a
+        Llama 3.x file's 131,072 positions take 64 MB at head_dim 64). The fused decode step points at
+        the table, so it is rebuilt over the new one."""
+        if self.model.rotary.resize(max_model_len) and self.decode_kernels is not None:
             self.use_decode_layers(*self.decode_kernels)
 
     def use_native_ops(self, ops: NativeOps) -> None:

@@ -85,11 +85,18 @@ def rope_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None)
     raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (supported: {', '.join(SUPPORTED)})")
 
 
+# Rows of the table built with the model: what runs before the engine settles max_model_len (weight
+# loading, matmul warm-up) never reaches past them, and a file's whole context (1,024,000 positions for
+# Mistral NeMo: a gigabyte of table at head_dim 128) is never built at once.
+_FIRST_ROWS = 8192
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half ("neox") rotary embedding with a precomputed cos/sin table.
 
     Invariant: `table[p] = cat(cos, cos, -sin, sin)` of position p's angles (times the scaling's
-    attention factor), so one index_select per step yields both factors for every layer.
+    attention factor), so one index_select per step yields both factors for every layer. The table
+    holds the first min(max_position, 8192) positions until `resize` sets its length.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float,
@@ -97,13 +104,28 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"head_dim: rotary needs an even head_dim, got {head_dim}")
-        self.head_dim = head_dim
-        inv_freq, attention = rope_frequencies(head_dim, base, scaling)
-        angles = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        self.head_dim, self.max_position = head_dim, max_position
+        self._inv_freq, self._attention = rope_frequencies(head_dim, base, scaling)
+        self.register_buffer("table", self._rows(min(max_position, _FIRST_ROWS)), persistent=False)
+
+    def _rows(self, rows: int) -> Tensor:
+        angles = torch.outer(torch.arange(rows, dtype=torch.int64).float(), self._inv_freq)
         cos, sin = angles.cos(), angles.sin()
-        if attention != 1.0:
-            cos, sin = cos * attention, sin * attention
-        self.register_buffer("table", torch.cat((cos, cos, -sin, sin), dim=-1), persistent=False)
+        if self._attention != 1.0:
+            cos, sin = cos * self._attention, sin * self._attention
+        return torch.cat((cos, cos, -sin, sin), dim=-1)
+
+    def resize(self, rows: int) -> bool:
+        """Hold the first min(rows, max_position) positions (in the table's dtype and device); whether
+        the table changed."""
+        rows = min(rows, self.max_position)
+        if rows == self.table.shape[0]:
+            return False
+        if rows < self.table.shape[0]:
+            self.table = self.table[:rows].clone()
+        else:
+            self.table = self._rows(rows).to(dtype=self.table.dtype, device=self.table.device)
+        return True
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Per-token factors [T, 1, head_dim] each, broadcastable over heads."""
