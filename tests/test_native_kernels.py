@@ -51,12 +51,13 @@ def test_decode_rows_match_stock_attention(native, heads, kv_heads, window, dtyp
     assert (got.float() - want.float()).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("dim", [24, 64, 96])
+@pytest.mark.parametrize("dim", [24, 64, 96, 128, 160])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])
 def test_head_sizes_of_each_value_path_match_stock_attention(native, dim, heads, kv_heads):
-    # The values are summed 8 lanes a vector where the head size is not a multiple of 16 (24), else 16,
-    # over 64 columns at a time for up to 4 query heads a KV head (9 / 3) and 32 for more (14 / 2):
-    # 64 and 96 take several vectors and column blocks a head.
+    # AVX-512: the values are summed 8 lanes a vector where the head size is not a multiple of 16 (24),
+    # else 16, over 64 columns at a time for up to 4 query heads a KV head (9 / 3) and 32 for more
+    # (14 / 2). AVX2 (8 lanes): a head of up to 64 in one pass, longer ones 128 columns a pass (160: a
+    # pass of 128 and one of 32). Every size takes several vectors a head.
     q, k, v, cache, meta = _batch([1, 1, 3], [7, 40, 21], heads, kv_heads, dim, torch.float32)
     want = TorchSDPABackend().forward(q, k, v, cache.clone(), meta, 0.25, None)
     got = native.forward(q, k, v, cache.clone(), meta, 0.25, None)

@@ -46,10 +46,13 @@
 #define MIN_PART 64
 /* Positions a part of a row's context covers in batch-invariant mode (until MAX_PARTS parts). */
 #define FIXED_PART 128
-/* Output columns pv keeps in registers per query head (G x PV_COLS / 8 vectors); MAX_COLS where the
- * head size is a multiple of 16 and a KV head has at most 4 query heads (G x MAX_COLS / 16 vectors). */
+/* Output columns pv keeps per query head. 16 lanes a vector (the head size a multiple of 16 on
+ * AVX-512): MAX_COLS in registers for up to 4 query heads a KV head (G x MAX_COLS / 16 vectors), else
+ * PV_COLS. 8 lanes: a whole head of up to MAX_COLS (pv), or LONG_COLS at a time (pv_long), the
+ * accumulators that the 16 registers cannot hold kept in L1 (see pv). */
 #define PV_COLS 32
 #define MAX_COLS 64
+#define LONG_COLS 128
 #define INLINE static inline __attribute__((always_inline))
 
 /* Batch-invariant mode's parts of a row of context length `len`: from its length alone. */
@@ -73,17 +76,18 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
         default: CALL(G);       \
     }
 
-/* pv's columns d0 .. d0 + cols (at most MAX_COLS) of head h (sh: its scores), WIDTH lanes a vector. */
-#define PV_COLUMNS(T, WIDTH, VF, SPLAT, LOADW, STOREW)                                                   \
+/* pv's columns d0 .. d0 + cols (at most BOUND, a constant) of head h (sh: its scores), WIDTH lanes a
+ * vector. */
+#define PV_COLUMNS(T, WIDTH, VF, SPLAT, LOADW, STOREW, BOUND)                                            \
     do {                                                                                                 \
         const int64_t w = D - d0 < cols ? (D - d0) / WIDTH : cols / WIDTH;                               \
-        VF a[MAX_GROUP][MAX_COLS / WIDTH];                                                               \
+        VF a[MAX_GROUP][BOUND / WIDTH];                                                                  \
         for (int g = 0; g < G; g++)                                                                      \
             for (int j = 0; j < w; j++) a[g][j] = SPLAT(0.f);                                            \
         for (int64_t i = 0; i < n; i++) {                                                                \
             if (i + PF < n) prefetch_row(V + rows[i + PF] + h * D + d0, WIDTH * w * (int64_t)sizeof(T)); \
             const T *v = V + rows[i] + h * D + d0;                                                       \
-            for (int j = 0; j < MAX_COLS / WIDTH; j++) {                                                 \
+            for (int j = 0; j < BOUND / WIDTH; j++) {                                                    \
                 if (j >= w) break;                                                                       \
                 const VF vv = LOADW(v + WIDTH * j);                                                      \
                 for (int g = 0; g < G; g++) a[g][j] += sh[g * max_len + i] * vv;                         \
@@ -160,17 +164,34 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
      * multiply-adds, half the instructions on AVX-512) and, for up to 4 query heads a KV head, MAX_COLS \
      * columns at a time, so that enough accumulators are in flight to cover a multiply-add's latency   \
      * (Intel Xeon, one thread, 768 positions, 3 query heads a KV head: 31.1-32.0 us against 32.6-32.7 \
-     * at 32 columns and 33.6-34.3 at 8 lanes). */                                                     \
+     * at 32 columns and 33.6-34.3 at 8 lanes). At 8 lanes (AVX2) a head of up to MAX_COLS is done in one \
+     * pass over the rows, its accumulators beyond the 16 registers in L1: a pass per 32 columns read \
+     * each V row in parts, every part a wait on memory (AMD EPYC, AVX2, 2 threads, V from memory: one \
+     * request of 3 query heads a KV head at head size 64 and 192 positions, 20-25 against 23-35 us a  \
+     * layer; 64 requests of 192 positions, 1.30-1.41 against 1.79-1.93 ms). */                         \
     INLINE void pv_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,                \
                             const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,               \
                             float *acc) {                                                                \
         const int wide = VEC16_NATIVE && D % 16 == 0;                                                    \
-        const int64_t cols = wide && G <= 4 ? MAX_COLS : PV_COLS;                                        \
+        const int64_t cols = !wide || G <= 4 ? MAX_COLS : PV_COLS;                                       \
         for (int64_t h = h0; h < h1; h++)                                                                \
             for (int64_t d0 = 0; d0 < D; d0 += cols) {                                                   \
                 const float *sh = scores + (h - h0) * G * max_len;                                       \
-                if (wide) PV_COLUMNS(T, 16, v16f, splat16, LOAD16, store16_f32);                         \
-                else PV_COLUMNS(T, 8, v8f, splat8, LOAD8, store8_f32);                                   \
+                if (wide) PV_COLUMNS(T, 16, v16f, splat16, LOAD16, store16_f32, MAX_COLS);               \
+                else PV_COLUMNS(T, 8, v8f, splat8, LOAD8, store8_f32, MAX_COLS);                         \
+            }                                                                                            \
+    }                                                                                                    \
+    /* pv at 8 lanes for heads over MAX_COLS, LONG_COLS columns a pass (its own function: the larger   \
+     * bound in pv made the head size 64's code slower). Head size 128, 4 query heads a KV head, one   \
+     * request of 256 positions: 127-163 against 185-308 us a layer at 32 columns a pass. */           \
+    INLINE void pv_long_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,           \
+                                 const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,          \
+                                 float *acc) {                                                           \
+        const int64_t cols = LONG_COLS;                                                                  \
+        for (int64_t h = h0; h < h1; h++)                                                                \
+            for (int64_t d0 = 0; d0 < D; d0 += cols) {                                                   \
+                const float *sh = scores + (h - h0) * G * max_len;                                       \
+                PV_COLUMNS(T, 8, v8f, splat8, LOAD8, store8_f32, LONG_COLS);                             \
             }                                                                                            \
     }                                                                                                    \
     /* One item: sequence b, KV heads h0..h1, and of its context positions part `part` of `parts`. With  \
@@ -221,7 +242,8 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
             inv_sum[j] = 1.f / sum;                                                                      \
             if (parts > 1) partial[j * (D + 2) + D] = mx, partial[j * (D + 2) + D + 1] = sum;            \
         }                                                                                                \
-        BY_GROUP(G, PV_##SUFFIX)                                                                         \
+        if (!(VEC16_NATIVE && D % 16 == 0) && D > MAX_COLS) BY_GROUP(G, PVL_##SUFFIX)                   \
+        else BY_GROUP(G, PV_##SUFFIX)                                                                    \
         if (parts > 1) {                                                                                 \
             for (int64_t j = 0; j < heads; j++) memcpy(partial + j * (D + 2), acc + j * D, sizeof(float) * (size_t)D); \
             return;                                                                                      \
@@ -310,8 +332,10 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
 
 #define QK_f32(GG) qk_f32(GG, qf, K, rows, n, h0, h1, D, scores, max_len)
 #define PV_f32(GG) pv_f32(GG, scores, max_len, V, rows, n, h0, h1, D, acc)
+#define PVL_f32(GG) pv_long_f32(GG, scores, max_len, V, rows, n, h0, h1, D, acc)
 #define QK_bf16(GG) qk_bf16(GG, qf, K, rows, n, h0, h1, D, scores, max_len)
 #define PV_bf16(GG) pv_bf16(GG, scores, max_len, V, rows, n, h0, h1, D, acc)
+#define PVL_bf16(GG) pv_long_bf16(GG, scores, max_len, V, rows, n, h0, h1, D, acc)
 
 DEFINE_ATTENTION(f32, float, load8_f32, load16_f32, st_f32)
 DEFINE_ATTENTION(bf16, uint16_t, load8_bf16, load16_bf16, st_bf16)
