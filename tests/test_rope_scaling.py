@@ -192,6 +192,8 @@ def test_gguf_rope_scaling_fields(tmp_path: Path, fields: dict[str, Any], want: 
       "llama.rope.scaling.yarn_ext_factor": 0.5}, "llama.rope.scaling.yarn_ext_factor is 0.5"),
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": -2.0},
      "llama.rope.scaling.factor is -2.0"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": "four"},
+     "llama.rope.scaling.factor is 'four'; expected a number"),
 ])
 def test_unsupported_gguf_rope_scaling_is_refused(tmp_path: Path, fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):

@@ -17,7 +17,10 @@ from forerun.loader.gguf_tensors import ROPE_FREQS
 
 
 def _number(meta: dict[str, Any], key: str, default: float) -> float:
-    value = float(meta.get(key, default))
+    try:
+        value = float(meta.get(key, default))
+    except (TypeError, ValueError):  # a string or an array where llama.cpp reads a float
+        raise ValueError(f"gguf: {key} is {meta.get(key)!r}; expected a number") from None
     if not math.isfinite(value):
         raise ValueError(f"gguf: {key} is {value}; expected a finite number")
     return value
