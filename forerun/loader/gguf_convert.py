@@ -63,6 +63,13 @@ def build_config(meta: dict[str, Any], vocab_rows: int, tied: bool,
     hidden = _scalar_int(meta, f"{arch}.embedding_length")
     heads = _scalar_int(meta, f"{arch}.attention.head_count")
     head_dim = _scalar_int(meta, f"{arch}.attention.key_length", hidden // heads)
+    # A rotary embedding over part of each head (or values of another size) is not what forerun's layers
+    # compute: refused, so that such a file never runs as if it were a plain Llama.
+    for key, want in ((f"{arch}.rope.dimension_count", "rotary dimensions"),
+                      (f"{arch}.attention.value_length", "value dimensions")):
+        size = _scalar_int(meta, key, head_dim)  # absent: the head size, as llama.cpp reads it
+        if size != head_dim:
+            raise ValueError(f"gguf: {key} is {size}; forerun needs {want} equal to the head size {head_dim}")
     hf_class, model_type = _ARCHITECTURES[arch]
     config: dict[str, Any] = {
         "architectures": [hf_class],

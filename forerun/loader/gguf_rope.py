@@ -26,18 +26,6 @@ def _number(meta: dict[str, Any], key: str, default: float) -> float:
     return value
 
 
-def _check_dimensions(meta: dict[str, Any], arch: str, head_dim: int) -> None:
-    """A rotary embedding over part of each head (or values of another size) is not what forerun's
-    layers compute: refused, so that such a file never runs as if it were a plain Llama."""
-    for key, want in ((f"{arch}.rope.dimension_count", "rotary dimensions"),
-                      (f"{arch}.attention.value_length", "value dimensions")):
-        value = meta.get(key, head_dim)  # absent: the head size, as llama.cpp reads it
-        if isinstance(value, list):
-            raise ValueError(f"gguf: metadata field {key} varies per layer, which Llama-family models do not support")
-        if int(value) != head_dim:
-            raise ValueError(f"gguf: {key} is {int(value)}; forerun needs {want} equal to the head size {head_dim}")
-
-
 def _yarn(meta: dict[str, Any], key: str, factor: float, context_length: int) -> dict[str, Any]:
     # llama.cpp's YaRN temperature is transformers' (0.1 ln factor + 1), divided as transformers' mscale
     # and mscale_all_dim divide it where the file gives a log multiplier, times the file's attn_factor.
@@ -64,7 +52,6 @@ def rope_scaling(meta: dict[str, Any], arch: str, head_dim: int, context_length:
     """The Hugging Face `rope_scaling` of a GGUF file's metadata and rope_freqs.weight (`freq_factors`,
     kept as forerun's `freq_factors` rope type), or None for plain rotary; ValueError naming the field
     for what forerun does not compute."""
-    _check_dimensions(meta, arch, head_dim)
     key = f"{arch}.rope.scaling"
     kind = str(meta.get(f"{key}.type", "linear"))
     factor_key = f"{key}.factor" if f"{key}.factor" in meta else f"{arch}.rope.scale_linear"
