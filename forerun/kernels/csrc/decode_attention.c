@@ -53,6 +53,8 @@
 #define PV_COLS 32
 #define MAX_COLS 64
 #define LONG_COLS 128
+/* Whether pv sums a head of D values 16 lanes a vector. */
+#define WIDE_VALUES(D) (VEC16_NATIVE && (D) % 16 == 0)
 #define INLINE static inline __attribute__((always_inline))
 
 /* Batch-invariant mode's parts of a row of context length `len`: from its length alone. */
@@ -172,7 +174,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
     INLINE void pv_##SUFFIX(const int G, const float *scores, int64_t max_len, const T *V,                \
                             const int64_t *rows, int64_t n, int64_t h0, int64_t h1, int64_t D,               \
                             float *acc) {                                                                \
-        const int wide = VEC16_NATIVE && D % 16 == 0;                                                    \
+        const int wide = WIDE_VALUES(D);                                                                 \
         const int64_t cols = !wide || G <= 4 ? MAX_COLS : PV_COLS;                                       \
         for (int64_t h = h0; h < h1; h++)                                                                \
             for (int64_t d0 = 0; d0 < D; d0 += cols) {                                                   \
@@ -242,7 +244,7 @@ static inline int64_t fixed_parts(int64_t len, int64_t window) {
             inv_sum[j] = 1.f / sum;                                                                      \
             if (parts > 1) partial[j * (D + 2) + D] = mx, partial[j * (D + 2) + D + 1] = sum;            \
         }                                                                                                \
-        if (!(VEC16_NATIVE && D % 16 == 0) && D > MAX_COLS) BY_GROUP(G, PVL_##SUFFIX)                   \
+        if (!WIDE_VALUES(D) && D > MAX_COLS) BY_GROUP(G, PVL_##SUFFIX)                                   \
         else BY_GROUP(G, PV_##SUFFIX)                                                                    \
         if (parts > 1) {                                                                                 \
             for (int64_t j = 0; j < heads; j++) memcpy(partial + j * (D + 2), acc + j * D, sizeof(float) * (size_t)D); \
