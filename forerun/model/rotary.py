@@ -106,10 +106,11 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"head_dim: rotary needs an even head_dim, got {head_dim}")
         self.head_dim, self.max_position = head_dim, max_position
         self._inv_freq, self._attention = rope_frequencies(head_dim, base, scaling)
-        self.register_buffer("table", self._rows(min(max_position, _FIRST_ROWS)), persistent=False)
+        self.register_buffer("table", self._rows(0, min(max_position, _FIRST_ROWS)), persistent=False)
 
-    def _rows(self, rows: int) -> Tensor:
-        angles = torch.outer(torch.arange(rows, dtype=torch.int64).float(), self._inv_freq)
+    def _rows(self, start: int, stop: int) -> Tensor:
+        """The table's rows for positions start .. stop - 1 (fp32)."""
+        angles = torch.outer(torch.arange(start, stop, dtype=torch.int64).float(), self._inv_freq)
         cos, sin = angles.cos(), angles.sin()
         if self._attention != 1.0:
             cos, sin = cos * self._attention, sin * self._attention
@@ -123,8 +124,9 @@ class RotaryEmbedding(nn.Module):
             return False
         if rows < self.table.shape[0]:
             self.table = self.table[:rows].clone()
-        else:
-            self.table = self._rows(rows).to(dtype=self.table.dtype, device=self.table.device)
+        else:  # the rows held are kept; only the new ones are computed
+            more = self._rows(self.table.shape[0], rows).to(dtype=self.table.dtype, device=self.table.device)
+            self.table = torch.cat((self.table, more))
         return True
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
