@@ -105,8 +105,8 @@ def shaped_like(y: Tensor, x: Tensor, fp32_out: bool) -> Tensor:
 
 def available_isas(lib: ctypes.CDLL, activation_bits: int = 32) -> list[str]:
     """The kernel paths built into `lib` for this CPU ("scalar" always); the GEMV over integer
-    activations has "scalar" and "avx2" (which uses AVX-512 VNNI's 256-bit dot product for 8 bits
-    where the CPU has it)."""
+    activations has "scalar", "avx2" (which uses AVX-512 VNNI's 256-bit dot product for 8 bits where
+    the CPU has it) and, with AVX-512 BW and VNNI, "avx512"."""
     built = lib.gemv_kquant_isas_f32() if activation_bits == 32 else lib.gemv_int_isas_f32()
     return [name for name, code in ISAS.items() if code and built & (1 << code)]
 

@@ -33,10 +33,11 @@
  *
  * x [rows, k] fp32; w [n, stride] bytes (rows of blocks of 32 or 256 weights); y [rows, n], rows
  * ldy apart. Weight rows are split over the caller's OpenMP threads; each weight row is decoded once
- * for up to 4 rows of x. The vector path works on 256-bit vectors: 32 weights are one register, and at
- * 256 bits these CPUs issue integer and shuffle work on three ports, at 512 on two.
+ * for up to 4 rows of x. The AVX2 path works on 256-bit vectors: 32 weights are one register. Where
+ * the CPU has AVX-512 BW and VNNI, a 512-bit path takes two blocks a register with the same
+ * arithmetic (int_blocks_avx512.h).
  */
-#include "int_blocks.h"
+#include "int_blocks_avx512.h"
 
 enum { LANES = 16, WROWS = 3, WROWS_MAX_K = 2048 };
 #ifndef PREFETCH_AHEAD
@@ -251,12 +252,116 @@ static void gemv_vector(int fmt, int bits, const qx_t *qx, const uint8_t *w, int
 }
 #endif
 
-/* Bit i set when path i (ISA_SCALAR, ISA_AVX2) was built; the AVX2 path uses AVX-512 VNNI's 256-bit
- * dot product for 8-bit activations where the CPU has it. */
+#if defined(HAVE_INT512)
+/* WR adjacent weight rows (stride apart) against RB rows of x: out[w * RB + r]. Each output's
+ * arithmetic is row_avx2's. WR > 1 with RB = 1 over short rows of 32-weight blocks (wrows_avx2's
+ * reason); RB > 1 with WR = 1 for a few rows of x. */
+static inline __attribute__((always_inline)) void tile_avx512(int fmt, int bits, int WR, int RB, const qx_t *qx,
+                                                              const int64_t xr[], const uint8_t *w0, int64_t stride,
+                                                              int64_t k, float out[]) {
+    const int bs = block_bytes(fmt);
+    const int64_t nb = k / QK;
+    __m512 acc[WROWS * TILE];
+    float ms[WROWS * TILE][8];
+    for (int i = 0; i < WR * RB; i++) {
+        acc[i] = _mm512_setzero_ps();
+        for (int l = 0; l < 8; l++) ms[i][l] = 0.f;
+    }
+    if (block_weights(fmt) != QK) {
+        __m256 msv[WROWS * TILE];
+        for (int i = 0; i < WR * RB; i++) msv[i] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nb / 8; sb++)
+            for (int w = 0; w < WR; w++) {
+                const uint8_t *blk = w0 + w * stride + sb * bs;
+                for (int o = 0; o < bs; o += 64) _mm_prefetch((const char *)blk + PREFETCH_AHEAD + o, _MM_HINT_T0);
+                superblock_avx512(fmt, bits, RB, qx, xr, nb, sb, blk, acc + w * RB, msv + w * RB);
+            }
+        for (int i = 0; i < WR * RB; i++) _mm256_storeu_ps(ms[i], msv[i]);
+    } else {
+        for (int64_t b = 0; b + 1 < nb; b += 2) {
+            /* the WR rows' bytes as one stream, as wrows_avx2 fetches them */
+            for (int o = 0; o < 2 * WR * bs; o += 64)
+                _mm_prefetch((const char *)w0 + PREFETCH_AHEAD + b * WR * bs + o, _MM_HINT_T0);
+            for (int w = 0; w < WR; w++) {
+                const uint8_t *b0 = w0 + w * stride + b * bs, *b1 = b0 + bs;
+                const float d0 = half(b0), d1 = half(b1);
+                __m512 scale[TILE];
+                for (int r = 0; r < RB; r++) {
+                    const int64_t at = xr[r] * nb + b;
+                    scale[r] = _mm512_insertf32x8(_mm512_set1_ps(d0 * qx->dx[at]), _mm256_set1_ps(d1 * qx->dx[at + 1]), 1);
+                    if (has_min(fmt)) {
+                        float *m = ms[w * RB + r];
+                        m[0] = fmaf(half(b0 + 2), qx->sx[at], m[0]);
+                        m[1] = fmaf(half(b1 + 2), qx->sx[at + 1], m[1]);
+                    }
+                }
+                add_pair_avx512(fmt, bits, RB, qx, xr, nb, b, b0, b1, 0, scale, acc + w * RB);
+            }
+        }
+        if (nb % 2) /* the last block (even: chain 0) alone, on the AVX2 code */
+            for (int w = 0; w < WR; w++) {
+                const uint8_t *blk = w0 + w * stride + (nb - 1) * bs;
+                for (int r = 0; r < RB; r++) {
+                    const int64_t at = xr[r] * nb + nb - 1;
+                    const __m256 scale = _mm256_set1_ps(half(blk) * qx->dx[at]);
+                    float *m = ms[w * RB + r];
+                    if (has_min(fmt)) m[0] = fmaf(half(blk + 2), qx->sx[at], m[0]);
+                    __m256 halves[1][2] = {{_mm512_castps512_ps256(acc[w * RB + r]), _mm512_extractf32x8_ps(acc[w * RB + r], 1)}};
+                    add_block_avx2(fmt, bits, 1, qx, xr + r, nb, nb - 1, blk, 0, &scale, 0, halves);
+                    acc[w * RB + r] = _mm512_insertf32x8(_mm512_castps256_ps512(halves[0][0]), halves[0][1], 1);
+                }
+            }
+    }
+    for (int i = 0; i < WR * RB; i++)
+        out[i] = finish(fmt, tree8_avx(_mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1))),
+                        ms[i]);
+}
+
+/* tile_avx512 with the format, the activations' width and the tile's shape compile-time constants. */
+#define TILE512(F, RB, bits, ...) tile_avx512(F, bits, 1, RB, __VA_ARGS__)
+#define WROWS512(F, WR, bits, ...) tile_avx512(F, bits, WR, 1, __VA_ARGS__)
+#define BITS512(TILE_OF, fmt, n, bits, ...)                                                  \
+    do {                                                                                     \
+        if (bits == 8) ROW_FMT(TILE_OF, fmt, n, 8, __VA_ARGS__);                             \
+        else ROW_FMT(TILE_OF, fmt, n, 16, __VA_ARGS__);                                      \
+    } while (0)
+
+/* The 512-bit path: as gemv_vector, one row of x over rows of up to WROWS_MAX_K weights taking WROWS
+ * weight rows at a time (K-quants: one; two to four measured the same, one thread with the row in L2
+ * and two from memory, Q4_K 2048 x 256 and 2048 x 8192, AMD EPYC with avx512_bf16). */
+static void gemv_avx512(int fmt, int bits, const qx_t *qx, const uint8_t *w, int64_t stride, float *y, int64_t ldy,
+                        int64_t rows, int64_t k, int64_t n, int nthreads) {
+    const int64_t wr = rows == 1 && k <= WROWS_MAX_K && block_weights(fmt) == QK ? WROWS : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t j = 0; j < n; j += wr) {
+        if (wr > 1) {
+            const int64_t xr[1] = {0};
+            if (j + wr <= n) BITS512(WROWS512, fmt, wr, bits, qx, xr, w + j * stride, stride, k, y + j);
+            else
+                for (int64_t r = j; r < n; r++) BITS512(WROWS512, fmt, 1, bits, qx, xr, w + r * stride, stride, k, y + r);
+            continue;
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int rb = rows - r0 < TILE ? (int)(rows - r0) : TILE;
+            int64_t xr[TILE] = {0};
+            float out[TILE] = {0.f};
+            for (int r = 0; r < rb; r++) xr[r] = r0 + r;
+            BITS512(TILE512, fmt, rb, bits, qx, xr, w + j * stride, stride, k, out);
+            for (int r = 0; r < rb; r++) y[(r0 + r) * ldy + j] = out[r];
+        }
+    }
+}
+#endif
+
+/* Bit i set when path i (ISA_SCALAR, ISA_AVX2, ISA_AVX512) was built; the AVX2 path uses AVX-512
+ * VNNI's 256-bit dot product for 8-bit activations where the CPU has it. */
 int gemv_int_isas_f32(void) {
     int isas = 1 << ISA_SCALAR;
 #if defined(__AVX2__) && defined(__FMA__)
     isas |= 1 << ISA_AVX2;
+#endif
+#if defined(HAVE_INT512)
+    isas |= 1 << ISA_AVX512;
 #endif
     return isas;
 }
@@ -272,10 +377,14 @@ int gemv_int_strided_f32(const float *x, const uint8_t *w, int64_t stride, int f
     if (isa < 0) return -2;
     if (rows == 0 || n == 0) return 0;
     qx_t qx;
-    if (quantize_x(x, rows, k, bits, natural16(fmt), code_offset(fmt), isa == ISA_SCALAR, &qx) != 0) {
+    if (quantize_x(x, rows, k, bits, natural16(fmt), code_offset(fmt), isa == ISA_SCALAR, isa == ISA_AVX512, &qx) != 0) {
         free_x(&qx);
         return -3;
     }
+#if defined(HAVE_INT512)
+    if (isa == ISA_AVX512) gemv_avx512(fmt, bits, &qx, w, stride, y, ldy, rows, k, n, nthreads);
+    else
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (isa == ISA_AVX2) gemv_vector(fmt, bits, &qx, w, stride, y, ldy, rows, k, n, nthreads);
     else

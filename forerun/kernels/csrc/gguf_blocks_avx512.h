@@ -54,9 +54,9 @@ static inline __attribute__((always_inline)) __m512i srl_lanes(__m512i q, int n0
     return _mm512_srlv_epi16(q, _mm512_set_epi64(n3 * k, n3 * k, n2 * k, n2 * k, n1 * k, n1 * k, n0 * k, n0 * k));
 }
 
-/* Runs v4..v4 + 3 of a Q2_K or wide_format block as 64 signed bytes, 16-byte lane i holding run
- * v4 + i: the integers bytes16 gives for each run, from one set of 512-bit operations. */
-static inline __attribute__((always_inline)) __m512i bytes64(int fmt, const uint8_t *blk, int v4) {
+/* Runs v4..v4 + 3 of a Q2_K or wide_format block as 64 unsigned fields (before the offset), 16-byte
+ * lane i holding run v4 + i, from one set of 512-bit operations. */
+static inline __attribute__((always_inline)) __m512i fields64(int fmt, const uint8_t *blk, int v4) {
     const Run r0 = run_of(fmt, blk, v4), r1 = run_of(fmt, blk, v4 + 1), r2 = run_of(fmt, blk, v4 + 2),
               r3 = run_of(fmt, blk, v4 + 3);
     __m512i q = fmt == GGML_Q6_K ? _mm512_loadu_si512((const void *)r0.lo)
@@ -68,8 +68,13 @@ static inline __attribute__((always_inline)) __m512i bytes64(int fmt, const uint
                                                                   _mm512_set1_epi8((char)r0.hm)),
                                                  r0.hu));
     }
-    if (offset_of(fmt)) q = _mm512_sub_epi8(q, _mm512_set1_epi8((char)offset_of(fmt)));
     return q;
+}
+
+/* Runs v4..v4 + 3 as 64 signed bytes: the integers bytes16 gives for each run. */
+static inline __attribute__((always_inline)) __m512i bytes64(int fmt, const uint8_t *blk, int v4) {
+    const __m512i q = fields64(fmt, blk, v4);
+    return offset_of(fmt) ? _mm512_sub_epi8(q, _mm512_set1_epi8((char)offset_of(fmt))) : q;
 }
 #endif
 

@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -131,9 +132,10 @@ static void free_x(qx_t *qx) {
 /* x [rows, k] quantized to `bits` (8 or 16; `natural`: the 16-bit layout) into `out` (free_x frees it;
  * -1 when memory runs out). `offset`: the format's code offset, for ol. `portable`: round with the
  * portable code (the GEMV's portable path does, so that the paths' bit-equality test covers the
- * rounding too). */
+ * rounding too). `paired` (16 bits): each row's blocks b, b + 1 (b even) laid out as the 512-bit path
+ * reads them, codes 0-15 of b, of b + 1, then 16-31 of b, of b + 1 (int_blocks_avx512.h). */
 static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int natural, int offset, int portable,
-                      qx_t *out) {
+                      int paired, qx_t *out) {
     const int64_t blocks = rows * k / ACT_BLOCK;
     out->q = malloc((size_t)(rows * k) * (size_t)(bits / 8));
     out->dx = malloc(sizeof(float) * (size_t)blocks);
@@ -148,6 +150,14 @@ static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int nat
         for (int l = 0; l < 8; l++) lane[l] *= offset;
         out->sx[b] = out->dx[b] * (float)sum;
     }
+    if (paired && bits == 16)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t b = 0; b + 1 < k / ACT_BLOCK; b += 2) { /* swap b's codes 16-31 and b + 1's 0-15 */
+                int16_t *q = (int16_t *)out->q + r * k + b * ACT_BLOCK, t[16];
+                memcpy(t, q + 16, sizeof t);
+                memcpy(q + 16, q + 32, sizeof t);
+                memcpy(q + 32, t, sizeof t);
+            }
     return 0;
 }
 #endif
