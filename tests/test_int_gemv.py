@@ -116,8 +116,14 @@ def test_paths_rows_and_threads_give_the_same_bits(lib, fmt, bits, long_rows, n)
 
 
 def test_vector_path_is_built_here(lib):
-    # Every machine of this project has AVX2: the vector path must be the one tested above.
+    # Every machine of this project has AVX2: the vector path must be the one tested above. Where the
+    # CPU has AVX-512 BW, DQ, VL and VNNI (the avx512_bf16 EPYC), the 512-bit path is built and tested
+    # too, for both widths; the AVX2-only EPYC has no such path.
     assert "avx2" in available_isas(lib, activation_bits=16)
+    flags = open("/proc/cpuinfo").read()
+    wide = all(f" {flag} " in flags for flag in ("avx512bw", "avx512dq", "avx512vl", "avx512_vnni"))
+    for bits in BITS:
+        assert ("avx512" in available_isas(lib, activation_bits=bits)) == wide
 
 
 def test_refusals_and_fallbacks(lib):
