@@ -137,7 +137,11 @@ static void free_x(qx_t *qx) {
 static int quantize_x(const float *x, int64_t rows, int64_t k, int bits, int natural, int offset, int portable,
                       int paired, qx_t *out) {
     const int64_t blocks = rows * k / ACT_BLOCK;
-    out->q = malloc((size_t)(rows * k) * (size_t)(bits / 8));
+    /* On 64 bytes: the GEMV loads x's codes 32 bytes at a time, and malloc's 16-byte alignment made
+     * half of those loads cross a cache line (16-bit Q4_K, one thread, in L1: 4.1 against 4.25 cycles a
+     * block of 32, AMD EPYC with AVX2 only). */
+    const size_t qbytes = (size_t)(rows * k) * (size_t)(bits / 8);
+    out->q = aligned_alloc(64, (qbytes + 63) / 64 * 64);
     out->dx = malloc(sizeof(float) * (size_t)blocks);
     out->sx = malloc(sizeof(float) * (size_t)blocks);
     out->ol = malloc(sizeof(int32_t) * (size_t)blocks * 8);
