@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from forerun import LLM, SamplingParams
+from forerun.config import model_positions
 from forerun.loader.gguf_convert import describe_gguf
 from forerun.model.rotary import RotaryEmbedding
 from tests.hf_reference import hf_greedy, hf_prompt_logprobs
@@ -32,12 +33,16 @@ THETA, HEAD_DIM, MAX_POS = 10000.0, 16, 160
 # rest turn `factor` times slower.
 LINEAR = {"rope_type": "linear", "factor": 4.0}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# As Qwen2.5's and Qwen3's configs turn YaRN on: max_position_embeddings stays the original context, and
+# the model admits `factor` times as many positions (the prompts below run past 40, up to 152).
+STRETCH_POS = 40
+STRETCH = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": STRETCH_POS}
 
 
-def _hf_model(family: str, scaling: dict[str, Any] | None) -> torch.nn.Module:
+def _hf_model(family: str, scaling: dict[str, Any] | None, max_pos: int = MAX_POS) -> torch.nn.Module:
     rope = {"rope_theta": THETA, **(scaling or {"rope_type": "default"})}
     common = dict(vocab_size=266, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=MAX_POS, rms_norm_eps=1e-5,
+                  num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=max_pos, rms_norm_eps=1e-5,
                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_parameters=rope)
     torch.manual_seed(0)
     if family == "llama":
@@ -117,11 +122,15 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(3, 266, size=n).tolist() for n in (90, 140)]  # well past the original 32 positions
 
 
-@pytest.mark.parametrize(("family", "scaling"), [("llama", LINEAR), ("qwen2", YARN)], ids=["linear", "yarn"])
-def test_scaled_model_matches_transformers(tmp_path: Path, family: str, scaling: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("family", "scaling", "max_pos"),
+                         [("llama", LINEAR, MAX_POS), ("qwen2", YARN, MAX_POS), ("qwen2", STRETCH, STRETCH_POS)],
+                         ids=["linear", "yarn", "yarn-stretches-the-context"])
+def test_scaled_model_matches_transformers(tmp_path: Path, family: str, scaling: dict[str, Any],
+                                           max_pos: int) -> None:
     """The Hugging Face folder and the GGUF file of a scaled model both give transformers' greedy tokens
-    and prompt logprobs; the same weights unscaled read the prompts differently."""
-    scaled, plain = _hf_model(family, scaling), _hf_model(family, None)
+    and prompt logprobs; the same weights unscaled read the prompts differently. With YaRN the model
+    admits its original context times the factor, where that is more than max_position_embeddings."""
+    scaled, plain = _hf_model(family, scaling, max_pos), _hf_model(family, None, max_pos)
     with torch.no_grad():
         for layer in scaled.model.layers if family == "qwen2" else ():  # non-zero q/k biases
             layer.self_attn.q_proj.bias.normal_()
@@ -139,12 +148,28 @@ def test_scaled_model_matches_transformers(tmp_path: Path, family: str, scaling:
     for model in (tmp_path / "hf", tmp_path / "m.gguf"):
         with LLM(model=str(model), dtype="float32", show_progress=False) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
+            limit = llm.engine.core.max_model_len
+        assert limit == (STRETCH_POS * 4 if scaling is STRETCH else max_pos), model.name
         assert [o.outputs[0].token_ids for o in outs] == want_tokens, model.name
         for ids, out, scaled_lp, plain_lp in zip(prompts, outs, want, other):
             got = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
             at = torch.arange(len(ids) - 1), torch.tensor(ids[1:])
             torch.testing.assert_close(got, scaled_lp[at], rtol=0, atol=1e-4)
             assert (got - plain_lp[at]).abs().max() > 0.05  # without the scaling the model reads differently
+
+
+@pytest.mark.parametrize(("config", "want"), [
+    ({"max_position_embeddings": 4096}, 4096),
+    ({"max_position_embeddings": 4096, "rope_scaling": LINEAR}, 4096),  # the config's count already stretched
+    ({"max_position_embeddings": 32768, "rope_scaling": {**STRETCH, "original_max_position_embeddings": 32768}},
+     131072),
+    ({"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0}}, 131072),
+    ({"max_position_embeddings": 200, "rope_parameters": {"rope_theta": THETA, **YARN}}, 200),
+    ({"max_position_embeddings": 64, "rope_scaling": {**YARN, "factor": 1.0}}, 64),
+    ({}, None),
+], ids=["plain", "linear", "yarn", "yarn-old-key", "yarn-shorter", "yarn-factor-1", "none"])
+def test_model_positions(config: dict[str, Any], want: int | None) -> None:
+    assert model_positions(config) == want
 
 
 def _described(tmp_path: Path, fields: dict[str, Any], family: str = "llama") -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from typing import Any, Iterable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forerun.config import model_positions
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.decode import DecodeLayers
 from forerun.kernels.linear import LinearPlan
@@ -71,7 +72,7 @@ class LlamaArgs:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=scaling, max_position=int(cfg.get("max_position_embeddings", 4096)),
+            rope_scaling=scaling, max_position=model_positions(cfg) or 4096,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "Qwen2" else bias,
             o_bias=False if family == "Qwen2" else bias,

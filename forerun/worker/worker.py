@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from forerun.config import EngineConfig, SpeculativeConfig
+from forerun.config import EngineConfig, SpeculativeConfig, model_positions
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.heap import STEP_TRIM, fix_heap_thresholds
 from forerun.kernels.build import load_native_library
@@ -238,7 +238,7 @@ class Worker:
         if self.encoder_only:
             return ModelInfo(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 512)),
                              int(cfg["num_hidden_layers"]), encoder_only=True)
-        limit = int(cfg.get("max_position_embeddings") or self.model.max_position)
+        limit = model_positions(cfg) or self.model.max_position
         return ModelInfo(self.model.vocab_size, limit, self.model.num_layers)
 
     def bytes_per_block(self) -> int:
