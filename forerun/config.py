@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from forerun.core.request_queue import SchedulingPolicy, validate_scheduling_policy
 from forerun.core.step_policy import PrefillDecodePolicy, validate_policy
+from forerun.model.positions import model_positions
 
 logger = logging.getLogger(__name__)
 
@@ -302,23 +303,6 @@ class EngineConfig:
             self.async_scheduling = self.runner == "generate"
             if self.runner == "pooling":
                 logger.info("Async scheduling is off by default for pooling models (nothing to overlap).")
-
-
-def model_positions(hf_config: dict[str, Any]) -> int | None:
-    """The longest sequence a model's config.json admits: `max_position_embeddings`, or with YaRN rotary
-    scaling its original context times the factor where that is longer. YaRN exists to stretch the
-    context the model was trained on by its factor, and the configs that turn it on (Qwen2.5 and Qwen3,
-    and GGUF files converted from them) keep max_position_embeddings at the original context; vLLM
-    derives its max_model_len the same way. None when the config gives no positive limit."""
-    limit = hf_config.get("max_position_embeddings")
-    limit = limit if isinstance(limit, int) and limit > 0 else None
-    rope = hf_config.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
-    scaling = hf_config.get("rope_scaling") or rope
-    if isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) == "yarn":
-        original, factor = scaling.get("original_max_position_embeddings") or limit, scaling.get("factor")
-        if isinstance(original, int) and isinstance(factor, (int, float)) and factor > 1:
-            limit = max(limit or 0, int(original * factor))
-    return limit
 
 
 def _positive(value: object, name: str) -> None:

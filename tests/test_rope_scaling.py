@@ -22,8 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from forerun import LLM, SamplingParams
-from forerun.config import model_positions
 from forerun.loader.gguf_convert import describe_gguf
+from forerun.model.positions import model_positions
 from forerun.model.rotary import RotaryEmbedding
 from tests.hf_reference import hf_greedy, hf_prompt_logprobs
 

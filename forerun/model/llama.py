@@ -10,7 +10,6 @@ from typing import Any, Iterable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from forerun.config import model_positions
 from forerun.kernels.compact_weights import CompactWeight
 from forerun.kernels.decode import DecodeLayers
 from forerun.kernels.linear import LinearPlan
@@ -20,6 +19,7 @@ from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, Pa
                                   RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.llama_fused_step import build_fused_step, why_not_fused
 from forerun.model.parallel import PPStage, TPGroup
+from forerun.model.positions import model_positions
 from forerun.model.rotary import RotaryEmbedding
 from forerun.model.weight_update import update_in_place
 

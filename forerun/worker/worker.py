@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from forerun.config import EngineConfig, SpeculativeConfig, model_positions
+from forerun.config import EngineConfig, SpeculativeConfig
 from forerun.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from forerun.heap import STEP_TRIM, fix_heap_thresholds
 from forerun.kernels.build import load_native_library
@@ -31,6 +31,7 @@ from forerun.model.bert import load_bert
 from forerun.model.layers import PackableLinear
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
+from forerun.model.positions import model_positions
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
 from forerun.model.weight_update import update_in_place
