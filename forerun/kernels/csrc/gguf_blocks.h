@@ -356,7 +356,7 @@ static inline __attribute__((always_inline)) void block_maps_avx2(int fmt, const
             _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
         /* d and dmin in one conversion, and the 8 scales and 8 mins zero-extended by in-lane byte shuffles
          * of six in both halves, where two vpmovzxbd (lane-crossing) cost more: one thread, 16-bit Q4_K
-         * GEMV over 4096 weights in L1, 4.02-4.05 against 4.10-4.18 cycles a block of 32 (AMD EPYC, AVX2
+         * GEMV over 4096 weights in L1, 4.02-4.07 against 4.10-4.21 cycles a block of 32 (AMD EPYC, AVX2
          * only). The values are the same. */
 #if defined(__F16C__)
         uint32_t two;
