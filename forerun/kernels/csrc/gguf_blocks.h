@@ -365,15 +365,10 @@ static inline __attribute__((always_inline)) void block_maps_avx2(int fmt, const
 #else
         const __m128 dd = _mm_setr_ps(half(blk), half(blk + 2), 0.f, 0.f);
 #endif
-        const __m256i both = _mm256_broadcastsi128_si256(six);
-        const char z = -1;
-        const __m256i sc = _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, z, z, z, 1, z, z, z, 2, z, z, z, 3, z, z, z,
-                                                                      4, z, z, z, 5, z, z, z, 6, z, z, z, 7, z, z, z));
-        const __m256i mn = _mm256_shuffle_epi8(both, _mm256_setr_epi8(8, z, z, z, 9, z, z, z, 10, z, z, z, 11, z, z, z,
-                                                                      12, z, z, z, 13, z, z, z, 14, z, z, z, 15, z, z, z));
+        const __m256i both = _mm256_broadcastsi128_si256(six); /* bytes 0-7 scales, 8-15 mins (unsigned) */
         const __m256 neg_dmin = _mm256_xor_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_set1_ps(-0.f));
-        _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(sc)));
-        _mm256_storeu_ps(b, _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(mn)));
+        _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(ints8_avx2(fmt, both, 0, 1))));
+        _mm256_storeu_ps(b, _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(ints8_avx2(fmt, both, 1, 1))));
     } else if (fmt == GGML_Q6_K) {
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m256 d = _mm256_set1_ps(half(blk + 208));
