@@ -19,7 +19,7 @@ from forerun.model.layers import (MergedColumnParallelLinear, PackableLinear, Pa
                                   RowParallelLinear, VocabParallelEmbedding)
 from forerun.model.llama_fused_step import build_fused_step, why_not_fused
 from forerun.model.parallel import PPStage, TPGroup
-from forerun.model.positions import model_positions
+from forerun.model.positions import config_rope_scaling, model_positions
 from forerun.model.rotary import RotaryEmbedding
 from forerun.model.weight_update import update_in_place
 
@@ -62,7 +62,7 @@ class LlamaArgs:
         hidden = int(cfg["hidden_size"])
         layers = int(cfg["num_hidden_layers"])
         rope = cfg.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = config_rope_scaling(cfg)
         bias = bool(cfg.get("attention_bias", False))
         family = arch.removesuffix("ForCausalLM")
         return cls(

@@ -31,7 +31,6 @@ from forerun.model.bert import load_bert
 from forerun.model.layers import PackableLinear
 from forerun.model.parallel import TPGroup
 from forerun.model.pooling import PoolingConfig
-from forerun.model.positions import model_positions
 from forerun.model.registry import load_model, model_matmul_shapes
 from forerun.platform import default_device, distributed_backend, parse_dtype
 from forerun.model.weight_update import update_in_place
@@ -239,7 +238,7 @@ class Worker:
         if self.encoder_only:
             return ModelInfo(int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 512)),
                              int(cfg["num_hidden_layers"]), encoder_only=True)
-        limit = model_positions(cfg) or self.model.max_position
+        limit = self.model.max_position  # model_positions of the config (forerun.model.positions)
         return ModelInfo(self.model.vocab_size, limit, self.model.num_layers)
 
     def bytes_per_block(self) -> int:
